@@ -1,0 +1,190 @@
+//! Delta commits made by stages: one atomic commit per stage run, tagged with the stage's
+//! fingerprint so an unchanged stage is skipped on the next run.
+
+use std::num::NonZeroU64;
+use std::sync::{Arc, Mutex};
+
+use datafusion::catalog::streaming::StreamingTable;
+use datafusion::execution::TaskContext;
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::physical_plan::SendableRecordBatchStream;
+use datafusion::physical_plan::streaming::PartitionStream;
+use datafusion::prelude::SessionContext;
+use deltalake::DeltaTable;
+use deltalake::kernel::transaction::CommitProperties;
+use deltalake::operations::write::SchemaMode;
+use deltalake::protocol::SaveMode;
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::catalog::{self, TableDef};
+use crate::config::WriteMode;
+use crate::error::{Error, Result};
+
+/// Key of lakeml's entry in each commit's `commitInfo`.
+const COMMIT_KEY: &str = "lakeml";
+
+/// Data files are cut at this size, so a stage's memory stays bounded whatever the table size.
+const TARGET_FILE_BYTES: u64 = 64 << 20;
+
+/// What lakeml records in the commits it makes.
+#[derive(Debug, Clone)]
+pub(crate) struct CommitTag {
+    pub pipeline: String,
+    pub stage: String,
+    pub fingerprint: String,
+    /// Stage-specific facts (e.g. the label names of a tokenized table).
+    pub extra: Value,
+}
+
+/// The latest commit of a table, as lakeml needs it.
+#[derive(Debug)]
+pub(crate) struct LastCommit {
+    pub version: u64,
+    /// lakeml's entry, if lakeml made the commit.
+    pub tag: Option<Value>,
+    pub rows_added: Option<u64>,
+}
+
+/// Reads the latest commit of `def`, or `None` when the table does not exist yet.
+pub(crate) async fn last_commit(def: &TableDef) -> Result<Option<LastCommit>> {
+    if !catalog::delta_exists(&def.path) {
+        return Ok(None);
+    }
+    let table = def.open_delta(None).await?;
+    let Some(version) = table.version() else {
+        return Ok(None);
+    };
+    let mut history = table.history(Some(1));
+    let info = match history.next().await {
+        Some(info) => info.map_err(|e| Error::delta(format!("history of `{}`", def.name), e))?,
+        None => return Ok(None),
+    };
+    let rows_added = info
+        .info
+        .get("operationMetrics")
+        .and_then(|m| m.get("num_added_rows"))
+        .and_then(Value::as_u64);
+    Ok(Some(LastCommit {
+        version,
+        tag: info.info.get(COMMIT_KEY).cloned(),
+        rows_added,
+    }))
+}
+
+impl LastCommit {
+    /// True when lakeml made this commit from exactly these inputs and settings.
+    pub(crate) fn matches(&self, fingerprint: &str) -> bool {
+        self.tag
+            .as_ref()
+            .and_then(|t| t.get("fingerprint"))
+            .and_then(Value::as_str)
+            == Some(fingerprint)
+    }
+}
+
+/// Writes the rows of `plan` to the Delta table `def` in one commit.
+///
+/// Nothing is visible to readers until the commit: a failed or killed run leaves data files
+/// that no version references, and the table at its last committed version.
+pub(crate) async fn write_plan(
+    ctx: &SessionContext,
+    def: &TableDef,
+    plan: LogicalPlan,
+    mode: WriteMode,
+    tag: &CommitTag,
+) -> Result<DeltaTable> {
+    let url = def.url()?;
+    let table = if catalog::delta_exists(&def.path) {
+        def.open_delta(None).await?
+    } else {
+        std::fs::create_dir_all(&def.path)
+            .map_err(|e| Error::io(format!("creating {}", def.path.display()), e))?;
+        DeltaTable::try_from_url(url)
+            .await
+            .map_err(|e| Error::delta(format!("table `{}`", def.name), e))?
+    };
+    let (save, schema_mode) = match mode {
+        WriteMode::Create => (SaveMode::ErrorIfExists, None),
+        WriteMode::Append => (SaveMode::Append, None),
+        // Overwrite replaces the rows and the schema; old versions keep theirs.
+        WriteMode::Overwrite => (SaveMode::Overwrite, Some(SchemaMode::Overwrite)),
+    };
+    let metadata = json!({
+        "pipeline": tag.pipeline,
+        "stage": tag.stage,
+        "fingerprint": tag.fingerprint,
+        "extra": tag.extra,
+        "lakeml_version": env!("CARGO_PKG_VERSION"),
+    });
+    let mut builder = table
+        .write(Vec::new())
+        .with_input_plan(plan)
+        .with_session_state(Arc::new(ctx.state()))
+        .with_save_mode(save)
+        .with_table_name(def.name.clone())
+        .with_target_file_size(NonZeroU64::new(TARGET_FILE_BYTES))
+        .with_commit_properties(
+            CommitProperties::default().with_metadata([(COMMIT_KEY.to_string(), metadata)]),
+        );
+    if let Some(schema_mode) = schema_mode {
+        builder = builder.with_schema_mode(schema_mode);
+    }
+    builder
+        .await
+        .map_err(|e| Error::delta(format!("writing table `{}`", def.name), e))
+}
+
+/// A one-shot stream as a table, so a stage's output stream can be planned and written by
+/// DataFusion and delta-rs like any query.
+struct OnceStream {
+    schema: arrow::datatypes::SchemaRef,
+    stream: Mutex<Option<SendableRecordBatchStream>>,
+}
+
+impl std::fmt::Debug for OnceStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnceStream")
+            .field("schema", &self.schema)
+            .finish()
+    }
+}
+
+impl PartitionStream for OnceStream {
+    fn schema(&self) -> &arrow::datatypes::SchemaRef {
+        &self.schema
+    }
+
+    fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
+        let taken = self.stream.lock().map(|mut s| s.take()).ok().flatten();
+        taken.unwrap_or_else(|| {
+            let err = datafusion::error::DataFusionError::Internal(
+                "a stage's output stream was executed twice".into(),
+            );
+            Box::pin(
+                datafusion::physical_plan::stream::RecordBatchStreamAdapter::new(
+                    self.schema.clone(),
+                    futures::stream::once(async move { Err(err) }),
+                ),
+            )
+        })
+    }
+}
+
+/// Wraps a record batch stream as a logical plan.
+pub(crate) fn stream_plan(
+    ctx: &SessionContext,
+    stream: SendableRecordBatchStream,
+) -> Result<LogicalPlan> {
+    let schema = stream.schema();
+    let part = Arc::new(OnceStream {
+        schema: schema.clone(),
+        stream: Mutex::new(Some(stream)),
+    });
+    let table = StreamingTable::try_new(schema, vec![part])
+        .map_err(|e| Error::engine("stage output", e))?;
+    let df = ctx
+        .read_table(Arc::new(table))
+        .map_err(|e| Error::engine("stage output", e))?;
+    Ok(df.into_unoptimized_plan())
+}

@@ -1,0 +1,33 @@
+//! lakeml: fine-tune and serve Hugging Face text classifiers on lakehouse tables.
+//!
+//! A pipeline file names tables (Delta, Parquet, CSV, JSON lines) and stages; each stage reads
+//! SQL over those tables and writes a Delta table in one commit. See the README for the file
+//! format and `../shared/design.md` for the architecture.
+//!
+//! ```no_run
+//! # async fn demo() -> lakeml::Result<()> {
+//! let pipeline = lakeml::Pipeline::load("pipelines/train.yaml")?;
+//! for report in pipeline.run(&lakeml::RunOptions::new()).await? {
+//!     println!("{report}");
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+mod catalog;
+mod config;
+mod delta;
+mod error;
+mod fingerprint;
+mod plan;
+mod report;
+mod runtime;
+mod stages;
+mod tokenize;
+
+pub use error::{Error, Result};
+pub use plan::Pipeline;
+pub use report::StageReport;
+pub use runtime::RuntimeInfo;
+pub use stages::RunOptions;
+pub use tokenize::{Encoded, Encoder, EncoderSettings};

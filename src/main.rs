@@ -1,0 +1,111 @@
+//! `pipeline`: the lakeml command line. Parses flags, calls the library, reports errors.
+//! Exit codes: 0 success, 1 the job failed, 2 bad usage or a bad pipeline file.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use lakeml::{Pipeline, RunOptions, RuntimeInfo};
+
+#[derive(Parser)]
+#[command(
+    name = "pipeline",
+    version,
+    about = "Fine-tune and serve HF text classifiers on lakehouse tables"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a pipeline file, then run its stages in order.
+    Run {
+        /// The pipeline file (YAML).
+        file: PathBuf,
+        /// Rerun every stage, even those whose output is up to date.
+        #[arg(long)]
+        force: bool,
+        /// Print each stage's report as a JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// No progress bars.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// Check a pipeline file (keys, files, tables, columns, types) without running it.
+    Validate {
+        /// The pipeline file (YAML).
+        file: PathBuf,
+    },
+    /// Show what this build links: libtorch, threads, CUDA devices.
+    Info,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                eprintln!("  caused by: {cause}");
+                source = cause.source();
+            }
+            ExitCode::from(if e.is_usage() { 2 } else { 1 })
+        }
+    }
+}
+
+fn run(cli: Cli) -> lakeml::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| lakeml::Error::Internal(format!("cannot start the async runtime: {e}")))?;
+    match cli.command {
+        Command::Run {
+            file,
+            force,
+            json,
+            quiet,
+        } => {
+            let pipeline = Pipeline::load(&file)?;
+            let options = RunOptions::new().with_force(force).with_progress(!quiet);
+            let reports = runtime.block_on(pipeline.run(&options))?;
+            for report in &reports {
+                if json {
+                    println!("{}", serde_json::to_string(report).unwrap_or_default());
+                } else if quiet {
+                    println!("{report}");
+                }
+            }
+            Ok(())
+        }
+        Command::Validate { file } => {
+            let pipeline = Pipeline::load(&file)?;
+            runtime.block_on(pipeline.validate())?;
+            println!(
+                "{}: pipeline `{}` is valid",
+                file.display(),
+                pipeline.name()
+            );
+            Ok(())
+        }
+        Command::Info => {
+            println!("{}", RuntimeInfo::detect());
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! What a stage did: rows, tokens, time, throughput, and every row it skipped or changed.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// The report of one stage run.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct StageReport {
+    pub stage: String,
+    pub kind: String,
+    /// The table the stage wrote.
+    pub table: String,
+    /// The table's version after the stage.
+    pub version: Option<u64>,
+    /// True when the output was up to date and the stage did no work.
+    pub cached: bool,
+    pub rows_in: u64,
+    pub rows_out: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+    /// Rows skipped or changed, by reason (e.g. `truncated`, `skipped_null`).
+    pub rows_by_outcome: BTreeMap<String, u64>,
+}
+
+impl StageReport {
+    pub fn rows_per_second(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.rows_in as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+impl fmt::Display for StageReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let version = self.version.map(|v| format!(" v{v}")).unwrap_or_default();
+        if self.cached {
+            return write!(
+                f,
+                "{} {} -> {}{version}: up to date ({} rows), skipped",
+                self.kind,
+                self.stage,
+                self.table,
+                thousands(self.rows_out)
+            );
+        }
+        write!(
+            f,
+            "{} {} -> {}{version}: {} rows in, {} rows out",
+            self.kind,
+            self.stage,
+            self.table,
+            thousands(self.rows_in),
+            thousands(self.rows_out)
+        )?;
+        if self.tokens > 0 {
+            write!(f, ", {} tokens", thousands(self.tokens))?;
+        }
+        write!(
+            f,
+            " in {:.2} s ({} rows/s)",
+            self.seconds,
+            thousands(self.rows_per_second() as u64)
+        )?;
+        let notes: Vec<String> = self
+            .rows_by_outcome
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(k, n)| format!("{} {}", k.replace('_', " "), thousands(*n)))
+            .collect();
+        if !notes.is_empty() {
+            write!(f, "; {}", notes.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::thousands;
+
+    #[test]
+    fn groups_digits_by_three() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1000), "1,000");
+        assert_eq!(thousands(1234567), "1,234,567");
+    }
+}

@@ -1,0 +1,42 @@
+//! What the linked libtorch offers on this machine (`pipeline info`).
+
+/// Facts about the linked libtorch and this machine.
+#[derive(Debug, serde::Serialize)]
+pub struct RuntimeInfo {
+    pub lakeml_version: &'static str,
+    /// Threads libtorch uses for one op (CPU).
+    pub torch_threads: i32,
+    pub cuda_available: bool,
+    pub cuda_devices: i64,
+    pub cpu_cores: usize,
+}
+
+impl RuntimeInfo {
+    /// Asks libtorch (this is also what proves the binary links and loads it).
+    pub fn detect() -> Self {
+        Self {
+            lakeml_version: env!("CARGO_PKG_VERSION"),
+            torch_threads: tch::get_num_threads(),
+            cuda_available: tch::Cuda::is_available(),
+            cuda_devices: tch::Cuda::device_count(),
+            cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
+    }
+}
+
+impl std::fmt::Display for RuntimeInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "lakeml {}", self.lakeml_version)?;
+        writeln!(f, "libtorch: linked (tch 0.24, libtorch 2.11.0)")?;
+        writeln!(
+            f,
+            "cpu cores: {}, torch intra-op threads: {}",
+            self.cpu_cores, self.torch_threads
+        )?;
+        if self.cuda_available {
+            write!(f, "cuda: {} device(s)", self.cuda_devices)
+        } else {
+            write!(f, "cuda: not available (CPU only)")
+        }
+    }
+}

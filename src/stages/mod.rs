@@ -1,0 +1,107 @@
+//! Runs a validated pipeline: one SQL session, stages in order, a report per stage.
+
+mod tokenize;
+mod write;
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use datafusion::prelude::SessionContext;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::catalog;
+use crate::error::Result;
+use crate::plan::{Pipeline, Stage};
+use crate::report::StageReport;
+
+/// How to run a pipeline.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct RunOptions {
+    force: bool,
+    progress: bool,
+}
+
+impl RunOptions {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Rerun stages even when their output is up to date.
+    pub fn with_force(mut self, force: bool) -> Self {
+        self.force = force;
+        self
+    }
+    /// Show progress bars on stderr (hidden anyway when stderr is not a terminal).
+    pub fn with_progress(mut self, progress: bool) -> Self {
+        self.progress = progress;
+        self
+    }
+}
+
+/// State shared by the stages of one run.
+pub(crate) struct Run<'a> {
+    pub pipeline: &'a Pipeline,
+    pub ctx: SessionContext,
+    /// What each registered table reads now, for fingerprints.
+    pub identities: HashMap<String, String>,
+    pub options: &'a RunOptions,
+}
+
+impl Run<'_> {
+    pub(crate) fn progress(&self, stage: &str) -> ProgressBar {
+        if !self.options.progress {
+            return ProgressBar::hidden();
+        }
+        let bar = ProgressBar::new_spinner();
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {prefix:.bold} {msg} [{elapsed}]")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.set_prefix(stage.to_string());
+        bar.enable_steady_tick(std::time::Duration::from_millis(200));
+        bar
+    }
+
+    /// (Re-)registers table `name` so later stages read what a stage just wrote.
+    async fn refresh(&mut self, name: &str) -> Result<()> {
+        let def = &self.pipeline.tables[name];
+        let identity = def.register(&self.ctx).await?;
+        self.identities.insert(name.to_string(), identity);
+        Ok(())
+    }
+}
+
+impl Pipeline {
+    /// Validates, then runs every stage in order. Each stage that writes a table makes one
+    /// commit; a stage whose inputs and settings are unchanged since its last commit is
+    /// skipped unless `force` is set.
+    pub async fn run(&self, options: &RunOptions) -> Result<Vec<StageReport>> {
+        self.validate().await?;
+        let mut run = Run {
+            pipeline: self,
+            ctx: catalog::session(),
+            identities: HashMap::new(),
+            options,
+        };
+        for (name, def) in &self.tables {
+            if !def.is_delta() || catalog::delta_exists(&def.path) {
+                run.refresh(name).await?;
+            }
+        }
+        let mut reports = Vec::new();
+        for stage in &self.stages {
+            let started = Instant::now();
+            let (mut report, to) = match stage {
+                Stage::Write(w) => (write::run(&run, w).await?, &w.to),
+                Stage::Tokenize(t) => (tokenize::run(&run, t).await?, &t.to),
+            };
+            report.seconds = started.elapsed().as_secs_f64();
+            run.refresh(to).await?;
+            if options.progress {
+                eprintln!("{report}");
+            }
+            reports.push(report);
+        }
+        Ok(reports)
+    }
+}

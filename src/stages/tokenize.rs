@@ -1,0 +1,235 @@
+//! The `tokenize` stage: a text column into the tokenized table (design.md), streamed in
+//! bounded memory, written in one commit, and reused while its fingerprint matches.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use arrow::array::AsArray;
+use arrow::datatypes::DataType;
+use datafusion::error::DataFusionError;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::prelude::{SessionContext, ident};
+use futures::StreamExt;
+use serde_json::json;
+
+use super::Run;
+use crate::config::WriteMode;
+use crate::delta::{self, CommitTag};
+use crate::error::{Error, Result};
+use crate::fingerprint;
+use crate::plan::TokenizeStage;
+use crate::report::StageReport;
+use crate::tokenize::{self, Counters, Encoder, LabelMap};
+
+/// Batches tokenized ahead of the writer: reading, tokenizing and writing overlap.
+const IN_FLIGHT: usize = 2;
+
+pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageReport> {
+    let def = &run.pipeline.tables[&stage.to];
+    let context = || format!("stage `{}` ({})", stage.name, stage.query.origin);
+    let engine = |e| Error::engine(context(), e);
+    // The stage's own batch size, in a session that shares the run's tables.
+    let mut state = run.ctx.state();
+    *state.config_mut() = state.config().clone().with_batch_size(stage.batch_rows);
+    let ctx = SessionContext::new_with_state(state);
+
+    let policy = &stage.policy;
+    let mut columns: Vec<&str> = vec![&policy.id, &policy.text];
+    columns.extend(policy.text_pair.as_deref());
+    columns.extend(policy.label.as_deref());
+    columns.extend(policy.keep.iter().map(String::as_str));
+    let df = ctx
+        .sql(&stage.query.sql)
+        .await
+        .map_err(engine)?
+        .select_columns(&columns)
+        .map_err(engine)?;
+
+    let encoder = Arc::new(Encoder::from_path(&stage.tokenizer, stage.encoder)?);
+    let label_names = match &policy.label {
+        Some(label)
+            if df
+                .schema()
+                .field_with_unqualified_name(label)
+                .is_ok_and(|f| {
+                    matches!(
+                        f.data_type(),
+                        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+                    )
+                }) =>
+        {
+            Some(match &stage.labels {
+                Some(names) => names.clone(),
+                None => distinct_labels(&df, label).await.map_err(engine)?,
+            })
+        }
+        _ => None,
+    };
+    let inputs = fingerprint::plan_inputs(df.logical_plan(), &run.identities)?;
+    let fingerprint = fingerprint::digest(&json!({
+        "kind": "tokenize",
+        "sql": stage.query.sql,
+        "inputs": inputs,
+        "tokenizer_sha256": encoder.sha256(),
+        "encoder": stage.encoder,
+        "policy": policy,
+        "labels": label_names,
+    }));
+    let mut report = StageReport {
+        stage: stage.name.clone(),
+        kind: "tokenize".into(),
+        table: stage.to.clone(),
+        ..Default::default()
+    };
+    if !run.options.force
+        && let Some(last) = delta::last_commit(def).await?
+        && last.matches(&fingerprint)
+    {
+        report.cached = true;
+        report.version = Some(last.version);
+        report.rows_out = last.rows_added.unwrap_or_default();
+        return Ok(report);
+    }
+
+    let labels = match &label_names {
+        Some(names) => Some(LabelMap::Names(
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.clone(), i as i64))
+                .collect::<HashMap<_, _>>(),
+        )),
+        None => policy.label.as_ref().map(|_| LabelMap::Ints),
+    };
+    let stream = df.execute_stream().await.map_err(engine)?;
+    let schema = tokenize::output_schema(&stream.schema(), policy)?;
+    let counters = Arc::new(Counters::default());
+    // The first data error, kept as ours: delta-rs wraps stream errors in its own.
+    let failure: Arc<Mutex<Option<Error>>> = Arc::default();
+    let bar = run.progress(&stage.name);
+    let tokenized = {
+        let (schema, counters, failure, bar) = (
+            schema.clone(),
+            counters.clone(),
+            failure.clone(),
+            bar.clone(),
+        );
+        let (policy, labels, encoder) = (Arc::new(policy.clone()), Arc::new(labels), encoder);
+        let progress = counters.clone();
+        stream
+            .map(move |batch| {
+                let (schema, counters, policy, labels, encoder) = (
+                    schema.clone(),
+                    counters.clone(),
+                    policy.clone(),
+                    labels.clone(),
+                    encoder.clone(),
+                );
+                async move {
+                    let batch = batch?;
+                    tokio::task::spawn_blocking(move || {
+                        tokenize::tokenize_batch(
+                            &batch,
+                            &encoder,
+                            &policy,
+                            labels.as_ref().as_ref(),
+                            &schema,
+                            &counters,
+                        )
+                    })
+                    .await
+                    .map_err(|e| DataFusionError::External(Box::new(e)))?
+                    .map_err(|e| DataFusionError::External(Box::new(e)))
+                }
+            })
+            .buffered(IN_FLIGHT)
+            .inspect(move |result| match result {
+                Ok(_) => bar.set_message(format!(
+                    "{} rows, {} tokens",
+                    progress.rows_in.load(Ordering::Relaxed),
+                    progress.tokens.load(Ordering::Relaxed)
+                )),
+                Err(DataFusionError::External(e)) => {
+                    if let (Some(ours), Ok(mut slot)) = (e.downcast_ref::<Error>(), failure.lock())
+                    {
+                        slot.get_or_insert_with(|| Error::Data(ours.to_string()));
+                    }
+                }
+                Err(_) => {}
+            })
+    };
+    let plan = delta::stream_plan(
+        &ctx,
+        Box::pin(RecordBatchStreamAdapter::new(schema, tokenized)),
+    )?;
+    let tag = CommitTag {
+        pipeline: run.pipeline.name.clone(),
+        stage: stage.name.clone(),
+        fingerprint,
+        extra: json!({
+            "labels": label_names,
+            "tokenizer": encoder_path(stage),
+            "max_length": stage.encoder.max_length,
+        }),
+    };
+    let written = delta::write_plan(&ctx, def, plan, WriteMode::Overwrite, &tag).await;
+    bar.finish_and_clear();
+    if let Some(err) = failure.lock().ok().and_then(|mut f| f.take()) {
+        return Err(Error::Data(format!(
+            "stage `{}`: {err}; table `{}` is unchanged",
+            stage.name, stage.to
+        )));
+    }
+    let table = written.map_err(|e| match e {
+        Error::Delta { source, .. } => Error::Data(format!(
+            "stage `{}` failed: {source}; table `{}` is unchanged",
+            stage.name, stage.to
+        )),
+        other => other,
+    })?;
+    let c = &counters;
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    report.version = table.version();
+    report.rows_in = load(&c.rows_in);
+    report.rows_out = load(&c.rows_out);
+    report.tokens = load(&c.tokens);
+    report.rows_by_outcome = [
+        ("truncated", load(&c.truncated)),
+        ("skipped_overlong", load(&c.skipped_overlong)),
+        ("skipped_null", load(&c.skipped_null)),
+        ("skipped_empty", load(&c.skipped_empty)),
+        ("skipped_invalid_utf8", load(&c.skipped_invalid_utf8)),
+        ("kept_empty", load(&c.kept_empty)),
+        ("replaced_invalid_utf8", load(&c.replaced_invalid_utf8)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    Ok(report)
+}
+
+fn encoder_path(stage: &TokenizeStage) -> String {
+    stage.tokenizer.display().to_string()
+}
+
+/// Sorted distinct non-null values of a string label column.
+async fn distinct_labels(
+    df: &datafusion::dataframe::DataFrame,
+    label: &str,
+) -> datafusion::error::Result<Vec<String>> {
+    let batches = df
+        .clone()
+        .select(vec![ident(label)])?
+        .distinct()?
+        .collect()
+        .await?;
+    let mut names = Vec::new();
+    for batch in batches {
+        let array = arrow::compute::cast(batch.column(0), &DataType::Utf8)?;
+        let strings = array.as_string::<i32>();
+        names.extend(strings.iter().flatten().map(str::to_string));
+    }
+    names.sort();
+    Ok(names)
+}

@@ -1,0 +1,133 @@
+//! CLI error wording and exit codes, under snapshot tests: every mistake in a pipeline file
+//! is reported (exit 2) before any work starts, naming the file and the field or line.
+
+use crate::common::{Scratch, minilm};
+
+/// Writes `yaml` (with `{MINILM}` filled in) and a small CSV, runs `pipeline run`, returns
+/// "exit N" and stderr.
+fn run_bad(yaml: &str) -> String {
+    let s = Scratch::new();
+    s.write(
+        "reviews.csv",
+        "id,text,label\n1,great film,fresh\n2,dull,rotten\n",
+    );
+    s.write(
+        "p.yaml",
+        &yaml.replace("{MINILM}", &minilm().display().to_string()),
+    );
+    let out = s.pipeline(&["run", "p.yaml"]);
+    assert!(
+        !s.path().join("lake").exists(),
+        "a pipeline that failed validation wrote something"
+    );
+    format!(
+        "exit {}\n{}",
+        out.status.code().unwrap_or(-1),
+        s.stderr(&out)
+    )
+}
+
+const GOOD_TABLES: &str =
+    "name: t\ntables:\n  reviews: { csv: reviews.csv }\n  out: { delta: lake/out }\n";
+
+#[test]
+fn unknown_key_is_named_with_its_line() {
+    insta::assert_snapshot!(run_bad(&format!(
+        "{GOOD_TABLES}stages:\n  - tokenize:\n      from: reviews\n      tokenizer: {{MINILM}}\n      to: out\n      max_lenght: 64\n"
+    )));
+}
+
+#[test]
+fn unknown_stage_kind_lists_the_known_ones() {
+    insta::assert_snapshot!(run_bad(&format!(
+        "{GOOD_TABLES}stages:\n  - tokenise:\n      from: reviews\n"
+    )));
+}
+
+#[test]
+fn missing_input_file_is_named() {
+    insta::assert_snapshot!(run_bad(
+        "name: t\ntables:\n  reviews: { csv: nowhere.csv }\n  out: { delta: lake/out }\nstages:\n  - write:\n      from: reviews\n      to: out\n"
+    ));
+}
+
+#[test]
+fn missing_table_in_sql_is_named() {
+    insta::assert_snapshot!(run_bad(&format!(
+        "{GOOD_TABLES}stages:\n  - write:\n      sql: SELECT * FROM reviewz\n      to: out\n"
+    )));
+}
+
+#[test]
+fn missing_text_column_lists_the_columns() {
+    insta::assert_snapshot!(run_bad(&format!(
+        "{GOOD_TABLES}stages:\n  - tokenize:\n      from: reviews\n      tokenizer: {{MINILM}}\n      text: body\n      to: out\n"
+    )));
+}
+
+#[test]
+fn text_column_of_the_wrong_type_says_to_cast() {
+    insta::assert_snapshot!(run_bad(&format!(
+        "{GOOD_TABLES}stages:\n  - tokenize:\n      from: reviews\n      tokenizer: {{MINILM}}\n      text: id\n      to: out\n"
+    )));
+}
+
+#[test]
+fn unset_environment_variable_is_named_with_its_line() {
+    insta::assert_snapshot!(run_bad(
+        "name: t\ntables:\n  reviews: { csv: ${LAKEML_TEST_SURELY_UNSET}/r.csv }\nstages: []\n"
+    ));
+}
+
+#[test]
+fn undeclared_output_table_lists_the_declared_ones() {
+    insta::assert_snapshot!(run_bad(&format!(
+        "{GOOD_TABLES}stages:\n  - write:\n      from: reviews\n      to: outt\n"
+    )));
+}
+
+#[test]
+fn missing_tokenizer_is_named() {
+    insta::assert_snapshot!(run_bad(&format!(
+        "{GOOD_TABLES}stages:\n  - tokenize:\n      from: reviews\n      tokenizer: no/such/model\n      to: out\n"
+    )));
+}
+
+#[test]
+fn later_stage_is_checked_against_what_an_earlier_stage_will_write() {
+    // `out` does not exist yet; the tokenize stage reads it and names a column it won't have.
+    insta::assert_snapshot!(run_bad(&format!(
+        "name: t\ntables:\n  reviews: {{ csv: reviews.csv }}\n  out: {{ delta: lake/out }}\n  tok: {{ delta: lake/tok }}\n\
+         stages:\n  - write:\n      sql: SELECT id, text FROM reviews\n      to: out\n\
+           - tokenize:\n      from: out\n      tokenizer: {{MINILM}}\n      label: label\n      to: tok\n"
+    )));
+}
+
+#[test]
+fn missing_pipeline_file_is_a_usage_error() {
+    let s = Scratch::new();
+    let out = s.pipeline(&["run", "nope.yaml"]);
+    insta::assert_snapshot!(format!(
+        "exit {}\n{}",
+        out.status.code().unwrap_or(-1),
+        s.stderr(&out)
+    ));
+}
+
+#[test]
+fn validate_accepts_a_good_file_without_writing_anything() {
+    let s = Scratch::new();
+    s.write("reviews.csv", "id,text,label\n1,great film,fresh\n");
+    s.write(
+        "p.yaml",
+        &format!(
+            "{GOOD_TABLES}  tok: {{ delta: lake/tok }}\nstages:\n  - write:\n      from: reviews\n      to: out\n\
+               - tokenize:\n      from: out\n      tokenizer: {}\n      label: label\n      to: tok\n",
+            minilm().display()
+        ),
+    );
+    let out = s.pipeline(&["validate", "p.yaml"]);
+    assert!(out.status.success(), "{}", s.stderr(&out));
+    insta::assert_snapshot!(String::from_utf8_lossy(&out.stdout));
+    assert!(!s.path().join("lake").exists());
+}

@@ -1,0 +1,107 @@
+//! Helpers: a scratch directory with pipeline files, the binary, and the Python peers.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Set by scripts/test.sh (scripts/env.sh); the tests need the real assets and peers.
+pub fn env_path(name: &str) -> PathBuf {
+    PathBuf::from(std::env::var_os(name).unwrap_or_else(|| {
+        panic!("{name} is not set: run the tests with scripts/test.sh, which installs and sets it")
+    }))
+}
+
+pub fn assets() -> PathBuf {
+    env_path("LAKEML_ASSETS")
+}
+
+pub fn minilm() -> PathBuf {
+    assets().join("all-MiniLM-L6-v2")
+}
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A scratch directory; pipeline files in it refer to tables by relative paths.
+pub struct Scratch {
+    pub dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        Self {
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+        let path = self.path().join(name);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).expect("mkdir");
+        }
+        std::fs::write(&path, contents).expect("write");
+        path
+    }
+
+    /// Runs `pipeline ARGS` in the scratch directory.
+    pub fn pipeline(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .args(args)
+            .current_dir(self.path())
+            .output()
+            .expect("run pipeline")
+    }
+
+    /// stderr with the scratch path replaced, for snapshots.
+    pub fn stderr(&self, out: &Output) -> String {
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        let real = std::fs::canonicalize(self.path()).expect("canonicalize");
+        text.replace(&real.display().to_string(), "[SCRATCH]")
+            .replace(&self.path().display().to_string(), "[SCRATCH]")
+            .replace(&minilm().display().to_string(), "[MINILM]")
+    }
+
+    /// Runs a pipeline that must succeed; returns its stage reports.
+    pub fn run_ok(&self, args: &[&str]) -> Vec<serde_json::Value> {
+        let mut all = vec!["run", "--json", "--quiet"];
+        all.extend_from_slice(args);
+        let out = self.pipeline(&all);
+        assert!(
+            out.status.success(),
+            "pipeline {all:?} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("report json"))
+            .collect()
+    }
+}
+
+/// Runs a script from tests/py with the venv's Python; returns its stdout as JSON.
+pub fn python(script: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env_path("LAKEML_PYTHON"))
+        .arg(repo().join("tests/py").join(script))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_VERBOSITY", "error")
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{script} printed no JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}

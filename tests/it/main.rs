@@ -1,0 +1,7 @@
+//! Integration tests: the real `pipeline` binary on real tables, checked by real peers
+//! (`deltalake` and `transformers` from PyPI, installed by scripts/test.sh).
+
+mod cli;
+mod common;
+mod real_data;
+mod tokenize;

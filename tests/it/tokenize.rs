@@ -1,0 +1,329 @@
+//! The tokenize and write stages on small tables: every bad-input policy, the fingerprint
+//! cache, time travel, and the table read back by `deltalake`.
+
+use std::sync::Arc;
+
+use arrow::array::{BinaryArray, Int64Array, RecordBatch};
+use arrow::datatypes::{DataType, Field, Schema};
+
+use crate::common::{Scratch, minilm, python};
+
+/// A pipeline over `data.jsonl` with a tokenize stage whose extra settings are `extra`.
+fn pipeline(s: &Scratch, rows: &str, extra: &str) {
+    s.write("data.jsonl", rows);
+    s.write(
+        "p.yaml",
+        &format!(
+            "name: t\ntables:\n  src: {{ json: data.jsonl }}\n  out: {{ delta: lake/out }}\n\
+             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n{extra}",
+            minilm().display()
+        ),
+    );
+}
+
+fn table(s: &Scratch, name: &str) -> serde_json::Value {
+    python(
+        "read_delta.py",
+        &[s.path().join("lake").join(name).to_str().unwrap()],
+    )
+}
+
+fn failing(s: &Scratch) -> (i32, String) {
+    let out = s.pipeline(&["run", "--quiet", "p.yaml"]);
+    (out.status.code().unwrap_or(-1), s.stderr(&out))
+}
+
+#[test]
+fn null_text_is_an_error_naming_the_row_by_default_and_skipped_when_asked() {
+    let s = Scratch::new();
+    let rows = "{\"id\": 1, \"text\": \"good\"}\n{\"id\": 2, \"text\": null}\n";
+    pipeline(&s, rows, "");
+    let (code, err) = failing(&s);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("row id 2: text column `text` is null"),
+        "{err}"
+    );
+    assert!(
+        !s.path().join("lake/out/_delta_log").exists(),
+        "a failed run left a table"
+    );
+
+    pipeline(&s, rows, "      on_null: skip\n");
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(reports[0]["rows_out"], 1);
+    assert_eq!(reports[0]["rows_by_outcome"]["skipped_null"], 1);
+    let t = table(&s, "out");
+    assert_eq!(
+        t["rows"][0]["input_ids"],
+        serde_json::json!([101, 2204, 102])
+    );
+}
+
+#[test]
+fn empty_text_is_kept_as_special_tokens_and_counted_or_skipped_or_an_error() {
+    let s = Scratch::new();
+    let rows = "{\"id\": 1, \"text\": \"\"}\n{\"id\": 2, \"text\": \"  \"}\n{\"id\": 3, \"text\": \"ok\"}\n";
+    pipeline(&s, rows, "");
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(reports[0]["rows_by_outcome"]["kept_empty"], 2);
+    let t = table(&s, "out");
+    assert_eq!(t["rows"][0]["input_ids"], serde_json::json!([101, 102]));
+    assert_eq!(t["rows"][1]["length"], 2);
+
+    pipeline(&s, rows, "      on_empty: skip\n");
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(reports[0]["rows_out"], 1);
+    assert_eq!(reports[0]["rows_by_outcome"]["skipped_empty"], 2);
+
+    pipeline(&s, rows, "      on_empty: error\n");
+    let (code, err) = failing(&s);
+    assert_eq!(code, 1);
+    assert!(err.contains("row id 1: column `text` is empty"), "{err}");
+    // The failed run left the table at its last committed version.
+    assert_eq!(table(&s, "out")["version"], 1);
+}
+
+#[test]
+fn overlong_text_is_truncated_skipped_or_an_error() {
+    let s = Scratch::new();
+    let rows = "{\"id\": 7, \"text\": \"one two three four five six seven eight nine ten\"}\n\
+                {\"id\": 8, \"text\": \"short\"}\n";
+    pipeline(&s, rows, "      max_length: 6\n");
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(reports[0]["rows_by_outcome"]["truncated"], 1);
+    let t = table(&s, "out");
+    // [CLS] one two three four [SEP]
+    assert_eq!(
+        t["rows"][0]["input_ids"],
+        serde_json::json!([101, 2028, 2048, 2093, 2176, 102])
+    );
+
+    pipeline(&s, rows, "      max_length: 6\n      on_overlong: skip\n");
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(reports[0]["rows_out"], 1);
+    assert_eq!(reports[0]["rows_by_outcome"]["skipped_overlong"], 1);
+
+    pipeline(&s, rows, "      max_length: 6\n      on_overlong: error\n");
+    let (code, err) = failing(&s);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("row id 7: 12 tokens is more than max_length"),
+        "{err}"
+    );
+}
+
+/// A Parquet file whose `text` column is binary, with one value that is not UTF-8.
+fn binary_parquet(s: &Scratch) {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("text", DataType::Binary, true),
+    ]));
+    let texts: Vec<Option<&[u8]>> = vec![Some(b"fine"), Some(b"bad \xff\xfe bytes"), Some(b"ok")];
+    let batch = RecordBatch::try_new(
+        schema.clone(),
+        vec![
+            Arc::new(Int64Array::from(vec![1, 2, 3])),
+            Arc::new(BinaryArray::from(texts)),
+        ],
+    )
+    .unwrap();
+    let file = std::fs::File::create(s.path().join("bin.parquet")).unwrap();
+    let mut writer = parquet::arrow::ArrowWriter::try_new(file, schema, None).unwrap();
+    writer.write(&batch).unwrap();
+    writer.close().unwrap();
+}
+
+#[test]
+fn invalid_utf8_in_binary_text_is_an_error_or_skipped_or_replaced() {
+    let s = Scratch::new();
+    binary_parquet(&s);
+    let yaml = |policy: &str| {
+        format!(
+            "name: t\ntables:\n  src: {{ parquet: bin.parquet }}\n  out: {{ delta: lake/out }}\n\
+             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n{policy}",
+            minilm().display()
+        )
+    };
+    s.write("p.yaml", &yaml(""));
+    let (code, err) = failing(&s);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("row id 2: column `text` is not valid UTF-8 (bad byte at offset 4)"),
+        "{err}"
+    );
+
+    s.write("p.yaml", &yaml("      on_invalid_utf8: skip\n"));
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(reports[0]["rows_out"], 2);
+    assert_eq!(reports[0]["rows_by_outcome"]["skipped_invalid_utf8"], 1);
+
+    s.write("p.yaml", &yaml("      on_invalid_utf8: replace\n"));
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(reports[0]["rows_out"], 3);
+    assert_eq!(reports[0]["rows_by_outcome"]["replaced_invalid_utf8"], 1);
+}
+
+#[test]
+fn invalid_utf8_in_csv_is_an_error_naming_the_table_and_line() {
+    let s = Scratch::new();
+    std::fs::write(
+        s.path().join("bad.csv"),
+        b"id,text\n1,fine\n2,bad \xff here\n",
+    )
+    .unwrap();
+    s.write(
+        "p.yaml",
+        &format!(
+            "name: t\ntables:\n  src: {{ csv: bad.csv }}\n  out: {{ delta: lake/out }}\n\
+             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n",
+            minilm().display()
+        ),
+    );
+    let (code, err) = failing(&s);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("invalid UTF-8") || err.contains("utf-8") || err.contains("UTF-8"),
+        "{err}"
+    );
+    assert!(err.contains("line"), "{err}");
+    assert!(!s.path().join("lake/out/_delta_log").exists());
+}
+
+#[test]
+fn string_labels_map_to_sorted_ids_or_to_the_given_order() {
+    let s = Scratch::new();
+    let rows = "{\"id\": 1, \"text\": \"a\", \"label\": \"rotten\"}\n\
+                {\"id\": 2, \"text\": \"b\", \"label\": \"fresh\"}\n";
+    pipeline(&s, rows, "      label: label\n");
+    s.run_ok(&["p.yaml"]);
+    let t = table(&s, "out");
+    assert_eq!(t["rows"][0]["label"], 1);
+    assert_eq!(t["rows"][1]["label"], 0);
+
+    pipeline(
+        &s,
+        rows,
+        "      label: label\n      labels: [rotten, fresh]\n",
+    );
+    s.run_ok(&["p.yaml"]);
+    let t = table(&s, "out");
+    assert_eq!(t["rows"][0]["label"], 0);
+
+    pipeline(&s, rows, "      label: label\n      labels: [fresh]\n");
+    let (code, err) = failing(&s);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("row id 1: label `rotten` in column `label` is not one of"),
+        "{err}"
+    );
+
+    let null_label = "{\"id\": 1, \"text\": \"a\", \"label\": null}\n\
+                      {\"id\": 2, \"text\": \"b\", \"label\": \"fresh\"}\n";
+    pipeline(&s, null_label, "      label: label\n");
+    let (_, err) = failing(&s);
+    assert!(
+        err.contains("row id 1: label column `label` is null"),
+        "{err}"
+    );
+}
+
+#[test]
+fn tokenized_table_is_reused_until_data_tokenizer_or_settings_change() {
+    let s = Scratch::new();
+    let rows = "{\"id\": 1, \"text\": \"hello world\"}\n";
+    pipeline(&s, rows, "      max_length: 16\n");
+    let first = s.run_ok(&["p.yaml"]);
+    assert_eq!(first[0]["cached"], false);
+    let hit = s.run_ok(&["p.yaml"]);
+    assert_eq!(hit[0]["cached"], true, "same inputs and settings must hit");
+    assert_eq!(hit[0]["version"], 0);
+
+    // Settings changed: miss.
+    pipeline(&s, rows, "      max_length: 8\n");
+    let miss = s.run_ok(&["p.yaml"]);
+    assert_eq!(miss[0]["cached"], false);
+    assert_eq!(miss[0]["version"], 1);
+
+    // Data changed (a new row): miss.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    pipeline(
+        &s,
+        "{\"id\": 1, \"text\": \"hello world\"}\n{\"id\": 2, \"text\": \"x\"}\n",
+        "      max_length: 8\n",
+    );
+    let miss = s.run_ok(&["p.yaml"]);
+    assert_eq!(miss[0]["cached"], false);
+    assert_eq!(miss[0]["rows_out"], 2);
+
+    // Tokenizer changed (a copy with one vocab entry renamed): miss.
+    let tok = std::fs::read_to_string(minilm().join("tokenizer.json")).unwrap();
+    s.write(
+        "tok/tokenizer.json",
+        &tok.replacen("\"hello\"", "\"hallo\"", 1),
+    );
+    s.write(
+        "p.yaml",
+        "name: t\ntables:\n  src: { json: data.jsonl }\n  out: { delta: lake/out }\n\
+         stages:\n  - tokenize:\n      from: src\n      tokenizer: tok\n      to: out\n      max_length: 8\n",
+    );
+    let miss = s.run_ok(&["p.yaml"]);
+    assert_eq!(miss[0]["cached"], false, "a different tokenizer must miss");
+    let t = table(&s, "out");
+    assert_eq!(t["rows"][0]["input_ids"][1], 100, "`hello` is now [UNK]");
+}
+
+#[test]
+fn write_stage_modes_time_travel_and_source_versions() {
+    let s = Scratch::new();
+    s.write("a.csv", "id,text\n1,first\n");
+    let yaml = |mode: &str, extra_table: &str| {
+        format!(
+            "name: w\ntables:\n  src: {{ csv: a.csv }}\n  t: {{ delta: lake/t }}\n{extra_table}\
+             stages:\n  - write:\n      from: src\n      to: t\n      mode: {mode}\n"
+        )
+    };
+    s.write("p.yaml", &yaml("create", ""));
+    let r = s.run_ok(&["p.yaml"]);
+    assert_eq!(
+        (r[0]["version"].as_i64(), r[0]["rows_out"].as_i64()),
+        (Some(0), Some(1))
+    );
+
+    // create on an existing table: a config error before any work.
+    let out = s.pipeline(&["run", "p.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(s.stderr(&out).contains("table `t` already exists"));
+
+    s.write("p.yaml", &yaml("append", ""));
+    let r = s.run_ok(&["p.yaml"]);
+    assert_eq!(r[0]["version"], 1);
+    assert_eq!(table(&s, "t")["num_rows"], 2);
+
+    // Appending other columns is refused before any work.
+    s.write("b.csv", "id,body\n1,x\n");
+    s.write(
+        "p.yaml",
+        "name: w\ntables:\n  src: { csv: b.csv }\n  t: { delta: lake/t }\n\
+         stages:\n  - write:\n      from: src\n      to: t\n      mode: append\n",
+    );
+    let out = s.pipeline(&["run", "p.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        s.stderr(&out).contains("do not match table `t` for append"),
+        "{}",
+        s.stderr(&out)
+    );
+
+    // Time travel: version 0 still has one row; the table now has two.
+    s.write(
+        "p.yaml",
+        "name: w\ntables:\n  old: { delta: lake/t, version: 0 }\n  copy: { delta: lake/copy }\n\
+         stages:\n  - write:\n      from: old\n      to: copy\n",
+    );
+    let r = s.run_ok(&["p.yaml"]);
+    assert_eq!(r[0]["rows_out"], 1);
+    let copy = table(&s, "copy");
+    assert_eq!(copy["rows"][0]["text"], "first");
+    assert_eq!(copy["num_rows"], 1);
+}
