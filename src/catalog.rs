@@ -210,7 +210,18 @@ fn infer_csv_schema(
         .with_delimiter(delimiter)
         .infer_schema(reader, Some(CSV_INFER_ROWS))
         .map(|(schema, _)| schema)
-        .map_err(|e| format!("{}: cannot infer the CSV columns: {e}", first.display()))
+        .map_err(|e| {
+            let hint = if e.to_string().contains("UTF-8") {
+                "; fix the file's encoding, or store it as Parquet with a binary text column \
+                 and choose an `on_invalid_utf8` policy"
+            } else {
+                ""
+            };
+            format!(
+                "{}: cannot infer the CSV columns: {e}{hint}",
+                first.display()
+            )
+        })
 }
 
 fn compression_type(c: Compression) -> FileCompressionType {

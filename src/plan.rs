@@ -261,12 +261,16 @@ impl Pipeline {
         for stage in &self.stages {
             match stage {
                 Stage::Write(w) => {
-                    let schema = plan_schema(&ctx, &w.query, &w.field).await.map_err(err)?;
+                    let schema = plan_schema(&ctx, &w.query, &self.tables)
+                        .await
+                        .map_err(err)?;
                     self.check_write_target(w, &schema).await.map_err(err)?;
                     catalog::register_planned(&ctx, &w.to, schema)?;
                 }
                 Stage::Tokenize(t) => {
-                    let schema = plan_schema(&ctx, &t.query, &t.field).await.map_err(err)?;
+                    let schema = plan_schema(&ctx, &t.query, &self.tables)
+                        .await
+                        .map_err(err)?;
                     check_tokenize_columns(t, &schema).map_err(err)?;
                     Encoder::from_path(&t.tokenizer, t.encoder)
                         .map_err(|e| err(format!("{}.tokenizer: {e}", t.field)))?;
@@ -455,22 +459,19 @@ fn output_table(
 async fn plan_schema(
     ctx: &SessionContext,
     query: &Query,
-    field: &str,
+    tables: &BTreeMap<String, TableDef>,
 ) -> Result<SchemaRef, String> {
-    let df = ctx
-        .sql(&query.sql)
-        .await
-        .map_err(|e| format!("{}: {}", query.origin, sql_error(e, field)))?;
+    let df = ctx.sql(&query.sql).await.map_err(|e| {
+        let msg = e.strip_backtrace();
+        let hint = if msg.contains("table") && msg.contains("not found") {
+            let declared = tables.keys().cloned().collect::<Vec<_>>().join(", ");
+            format!("; declare the table under `tables` (declared: {declared})")
+        } else {
+            String::new()
+        };
+        format!("{}: {msg}{hint}", query.origin)
+    })?;
     Ok(df.schema().inner().clone())
-}
-
-fn sql_error(e: datafusion::error::DataFusionError, _field: &str) -> String {
-    let msg = e.strip_backtrace();
-    if msg.contains("table") && msg.contains("not found") {
-        format!("{msg}; declare the table under `tables`")
-    } else {
-        msg
-    }
 }
 
 fn check_tokenize_columns(t: &TokenizeStage, schema: &Schema) -> Result<(), String> {

@@ -92,7 +92,7 @@ impl Encoder {
         // pads everything to 128): the pipeline's settings replace them. Padding is never
         // stored; batches are padded when they are built.
         tokenizer.with_padding(None);
-        let truncation = settings.truncate.then(|| TruncationParams {
+        let truncation = settings.truncate.then_some(TruncationParams {
             max_length: settings.max_length,
             strategy: match settings.truncation {
                 Truncation::LongestFirst => TruncationStrategy::LongestFirst,

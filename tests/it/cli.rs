@@ -96,11 +96,12 @@ fn missing_tokenizer_is_named() {
 #[test]
 fn later_stage_is_checked_against_what_an_earlier_stage_will_write() {
     // `out` does not exist yet; the tokenize stage reads it and names a column it won't have.
-    insta::assert_snapshot!(run_bad(&format!(
-        "name: t\ntables:\n  reviews: {{ csv: reviews.csv }}\n  out: {{ delta: lake/out }}\n  tok: {{ delta: lake/tok }}\n\
-         stages:\n  - write:\n      sql: SELECT id, text FROM reviews\n      to: out\n\
-           - tokenize:\n      from: out\n      tokenizer: {{MINILM}}\n      label: label\n      to: tok\n"
-    )));
+    insta::assert_snapshot!(run_bad(
+        "name: t\ntables:\n  reviews: { csv: reviews.csv }\n  out: { delta: lake/out }\n  \
+         tok: { delta: lake/tok }\nstages:\n  - write:\n      sql: SELECT id, text FROM reviews\n      \
+         to: out\n  - tokenize:\n      from: out\n      tokenizer: {MINILM}\n      label: label\n      \
+         to: tok\n"
+    ));
 }
 
 #[test]
@@ -121,8 +122,9 @@ fn validate_accepts_a_good_file_without_writing_anything() {
     s.write(
         "p.yaml",
         &format!(
-            "{GOOD_TABLES}  tok: {{ delta: lake/tok }}\nstages:\n  - write:\n      from: reviews\n      to: out\n\
-               - tokenize:\n      from: out\n      tokenizer: {}\n      label: label\n      to: tok\n",
+            "{GOOD_TABLES}  tok: {{ delta: lake/tok }}\nstages:\n  - write:\n      from: reviews\n      \
+             to: out\n  - tokenize:\n      from: out\n      tokenizer: {}\n      label: label\n      \
+             to: tok\n",
             minilm().display()
         ),
     );

@@ -181,12 +181,7 @@ fn invalid_utf8_in_csv_is_an_error_naming_the_table_and_line() {
         ),
     );
     let (code, err) = failing(&s);
-    assert_eq!(code, 1);
-    assert!(
-        err.contains("invalid UTF-8") || err.contains("utf-8") || err.contains("UTF-8"),
-        "{err}"
-    );
-    assert!(err.contains("line"), "{err}");
+    insta::assert_snapshot!(format!("exit {code}\n{err}"));
     assert!(!s.path().join("lake/out/_delta_log").exists());
 }
 
@@ -270,7 +265,8 @@ fn tokenized_table_is_reused_until_data_tokenizer_or_settings_change() {
     let miss = s.run_ok(&["p.yaml"]);
     assert_eq!(miss[0]["cached"], false, "a different tokenizer must miss");
     let t = table(&s, "out");
-    assert_eq!(t["rows"][0]["input_ids"][1], 100, "`hello` is now [UNK]");
+    // `hello` (7592) is gone from the vocabulary: WordPiece now splits it ("hell" "##o").
+    assert_eq!(t["rows"][0]["input_ids"][1], 3109, "{}", t["rows"][0]);
 }
 
 #[test]

@@ -4,6 +4,7 @@ usage: read_delta.py TABLE_DIR [VERSION]
 prints JSON: version, schema (name -> type), rows (sorted by the first column), history.
 """
 import json
+import os
 import sys
 
 import deltalake
@@ -31,6 +32,10 @@ def main() -> None:
             for h in table.history()
         ],
     }, default=str))
+    # delta-rs / pyarrow thread pools can abort the interpreter at shutdown
+    # ("terminate called without an active exception"); the output is complete here.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
