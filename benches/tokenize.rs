@@ -1,5 +1,5 @@
 //! The tokenizing core alone: lakeml's `Encoder` over texts already in memory, in the
-//! stage's batch size, no table I/O. Driven by `benches/tokenize.py`, which times
+//! stage's batch size, no table I/O. Driven by `benches/bench_tokenize.py`, which times
 //! `tokenizers.encode_batch_fast` on the same texts in the same run.
 //!
 //! usage: tokenize TOKENIZER TEXTS_JSONL MAX_LENGTH REPEATS
@@ -21,7 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     let [tokenizer, texts, max_length, repeats] = args[..] else {
         eprintln!(
-            "usage: tokenize TOKENIZER TEXTS_JSONL MAX_LENGTH REPEATS (see benches/tokenize.py)"
+            "usage: tokenize TOKENIZER TEXTS_JSONL MAX_LENGTH REPEATS (see benches/bench_tokenize.py)"
         );
         return Ok(());
     };

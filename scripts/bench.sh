@@ -12,6 +12,6 @@ print(exes[-1])')"
 what="${1:-tokenize}"
 shift || true
 case "$what" in
-  tokenize) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/tokenize.py" --bin "$LAKEML_BIN" --core "$core" "$@" ;;
+  tokenize) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_tokenize.py" --bin "$LAKEML_BIN" --core "$core" "$@" ;;
   *) echo "unknown benchmark '$what' (known: tokenize)" >&2; exit 2 ;;
 esac
