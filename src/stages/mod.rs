@@ -9,8 +9,9 @@ use std::time::Instant;
 use datafusion::prelude::SessionContext;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::catalog;
-use crate::error::Result;
+use crate::catalog::{self, TableDef};
+use crate::delta;
+use crate::error::{Error, Result};
 use crate::plan::{Pipeline, Stage};
 use crate::report::StageReport;
 
@@ -68,6 +69,38 @@ impl Run<'_> {
         let identity = def.register(&self.ctx).await?;
         self.identities.insert(name.to_string(), identity);
         Ok(())
+    }
+}
+
+/// A report of a stage that did nothing because its table is up to date: lakeml's last
+/// commit to it has this fingerprint (and `--force` was not given).
+async fn up_to_date(
+    run: &Run<'_>,
+    def: &TableDef,
+    fingerprint: &str,
+    report: StageReport,
+) -> Result<Option<StageReport>> {
+    if run.options.force {
+        return Ok(None);
+    }
+    Ok(delta::last_commit(def)
+        .await?
+        .filter(|last| last.matches(fingerprint))
+        .map(|last| StageReport {
+            cached: true,
+            version: Some(last.version),
+            rows_out: last.rows_added.unwrap_or_default(),
+            ..report
+        }))
+}
+
+/// A stage's failed commit, worded for the user: nothing was committed.
+fn failed(stage: &str, table: &str, e: Error) -> Error {
+    match e {
+        Error::Delta { source, .. } => Error::Data(format!(
+            "stage `{stage}` failed: {source}; table `{table}` is unchanged"
+        )),
+        other => other,
     }
 }
 

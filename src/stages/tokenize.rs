@@ -76,21 +76,16 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
         "policy": policy,
         "labels": label_names,
     }));
-    let mut report = StageReport {
+    let report = StageReport {
         stage: stage.name.clone(),
         kind: "tokenize".into(),
         table: stage.to.clone(),
         ..Default::default()
     };
-    if !run.options.force
-        && let Some(last) = delta::last_commit(def).await?
-        && last.matches(&fingerprint)
-    {
-        report.cached = true;
-        report.version = Some(last.version);
-        report.rows_out = last.rows_added.unwrap_or_default();
-        return Ok(report);
+    if let Some(cached) = super::up_to_date(run, def, &fingerprint, report.clone()).await? {
+        return Ok(cached);
     }
+    let mut report = report;
 
     let labels = match &label_names {
         Some(names) => Some(LabelMap::Names(
@@ -181,13 +176,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
             stage.name, stage.to
         )));
     }
-    let table = written.map_err(|e| match e {
-        Error::Delta { source, .. } => Error::Data(format!(
-            "stage `{}` failed: {source}; table `{}` is unchanged",
-            stage.name, stage.to
-        )),
-        other => other,
-    })?;
+    let table = written.map_err(|e| super::failed(&stage.name, &stage.to, e))?;
     let c = &counters;
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     report.version = table.version();

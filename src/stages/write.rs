@@ -30,7 +30,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &WriteStage) -> Result<StageReport
         "inputs": inputs,
         "mode": stage.mode,
     }));
-    let mut report = StageReport {
+    let report = StageReport {
         stage: stage.name.clone(),
         kind: "write".into(),
         table: stage.to.clone(),
@@ -38,15 +38,11 @@ pub(super) async fn run(run: &Run<'_>, stage: &WriteStage) -> Result<StageReport
     };
     // An append always appends; create and overwrite skip when nothing changed.
     if stage.mode != WriteMode::Append
-        && !run.options.force
-        && let Some(last) = delta::last_commit(def).await?
-        && last.matches(&fingerprint)
+        && let Some(cached) = super::up_to_date(run, def, &fingerprint, report.clone()).await?
     {
-        report.cached = true;
-        report.version = Some(last.version);
-        report.rows_out = last.rows_added.unwrap_or_default();
-        return Ok(report);
+        return Ok(cached);
     }
+    let mut report = report;
 
     let bar = run.progress(&stage.name);
     let rows = Arc::new(AtomicU64::new(0));
@@ -77,13 +73,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &WriteStage) -> Result<StageReport
     };
     let table = delta::write_plan(&run.ctx, def, plan, stage.mode, &tag)
         .await
-        .map_err(|e| match e {
-            Error::Delta { source, .. } => Error::Data(format!(
-                "stage `{}` failed: {source}; table `{}` is unchanged",
-                stage.name, stage.to
-            )),
-            other => other,
-        })?;
+        .map_err(|e| super::failed(&stage.name, &stage.to, e))?;
     bar.finish_and_clear();
     report.version = table.version();
     report.rows_in = rows.load(Ordering::Relaxed);

@@ -360,7 +360,20 @@ fn label_ids(
             }
             Ok(Arc::new(Int64Array::from(out)))
         }
-        _ => arrow::compute::cast(array, &DataType::Int64)
-            .map_err(|e| Error::Data(format!("label column: {e}"))),
+        _ => {
+            let cast = arrow::compute::cast(array, &DataType::Int64)
+                .map_err(|e| Error::Data(format!("label column: {e}")))?;
+            let values = cast.as_primitive::<arrow::datatypes::Int64Type>();
+            if let Some(row) = (0..values.len()).find(|&r| values.value(r) < 0) {
+                return Err(Error::Data(format!(
+                    "row id {}: label {} in column `{}` is negative; integer labels are class \
+                     ids 0..n-1",
+                    array_value_to_string(ids, row).unwrap_or_default(),
+                    values.value(row),
+                    policy.label.as_deref().unwrap_or_default()
+                )));
+            }
+            Ok(cast)
+        }
     }
 }

@@ -291,6 +291,10 @@ fn write_stage_modes_time_travel_and_source_versions() {
     assert_eq!(out.status.code(), Some(2));
     assert!(s.stderr(&out).contains("table `t` already exists"));
 
+    // Commit timestamps have millisecond resolution: leave a clear gap around `between`.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let between = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    std::thread::sleep(std::time::Duration::from_millis(1100));
     s.write("p.yaml", &yaml("append", ""));
     let r = s.run_ok(&["p.yaml"]);
     assert_eq!(r[0]["version"], 1);
@@ -311,6 +315,22 @@ fn write_stage_modes_time_travel_and_source_versions() {
         s.stderr(&out)
     );
 
+    // Time travel by timestamp: a moment between version 0 and version 1 reads version 0.
+    let history = table(&s, "t")["history"].clone();
+    assert_eq!(history.as_array().map(Vec::len), Some(2), "{history}");
+    s.write(
+        "p.yaml",
+        &format!(
+            "name: w\ntables:\n  old: {{ delta: lake/t, timestamp: \"{between}\" }}\n  \
+             copy: {{ delta: lake/ts_copy }}\nstages:\n  - write:\n      from: old\n      to: copy\n"
+        ),
+    );
+    let r = s.run_ok(&["p.yaml"]);
+    assert_eq!(
+        r[0]["rows_out"], 1,
+        "timestamp {between} should read version 0"
+    );
+
     // Time travel: version 0 still has one row; the table now has two.
     s.write(
         "p.yaml",
@@ -322,4 +342,58 @@ fn write_stage_modes_time_travel_and_source_versions() {
     let copy = table(&s, "copy");
     assert_eq!(copy["rows"][0]["text"], "first");
     assert_eq!(copy["num_rows"], 1);
+}
+
+#[test]
+fn text_pairs_truncate_longest_first_as_transformers_does() {
+    let s = Scratch::new();
+    let rows = [
+        (
+            "a short premise",
+            "and a much longer hypothesis that needs cutting down",
+        ),
+        ("one two three four five six seven eight", "tiny"),
+        ("", "empty first side"),
+    ];
+    let jsonl: String = rows
+        .iter()
+        .enumerate()
+        .map(|(i, (a, b))| format!("{}\n", serde_json::json!({"id": i, "text": a, "pair": b})))
+        .collect();
+    pipeline(&s, &jsonl, "      text_pair: pair\n      max_length: 10\n");
+    let reports = s.run_ok(&["p.yaml"]);
+    assert_eq!(
+        reports[0]["rows_by_outcome"]["truncated"], 2,
+        "{}",
+        reports[0]
+    );
+    let want = python(
+        "reference_ids.py",
+        &[
+            minilm().to_str().unwrap(),
+            "10",
+            s.path().join("data.jsonl").to_str().unwrap(),
+        ],
+    );
+    let got: Vec<serde_json::Value> = table(&s, "out")["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["input_ids"].clone())
+        .collect();
+    assert_eq!(serde_json::Value::from(got), want);
+}
+
+#[test]
+fn negative_integer_labels_are_an_error_naming_the_row() {
+    let s = Scratch::new();
+    let rows =
+        "{\"id\": 1, \"text\": \"a\", \"label\": 0}\n{\"id\": 2, \"text\": \"b\", \"label\": -1}\n";
+    pipeline(&s, rows, "      label: label\n");
+    let (code, err) = failing(&s);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("row id 2: label -1 in column `label` is negative"),
+        "{err}"
+    );
 }

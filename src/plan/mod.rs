@@ -4,13 +4,17 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use arrow::datatypes::{DataType, Schema, SchemaRef};
-use datafusion::prelude::SessionContext;
+mod checks;
+mod tables;
 
-use crate::catalog::{self, TableDef, TableKind, TimeTravel};
-use crate::config::{PipelineFile, Source, StageKind, TableSpec, WriteMode};
+use arrow::datatypes::Schema;
+
+use crate::catalog::{self, TableDef, TableKind};
+use crate::config::{PipelineFile, Source, StageKind, WriteMode};
 use crate::error::{Error, Result};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
+use checks::{check_tokenize_columns, plan_schema, schema_diff};
+use tables::table_def;
 
 /// A validated pipeline, ready to run.
 #[derive(Debug)]
@@ -65,25 +69,8 @@ impl Stage {
     }
 }
 
-/// Text columns may be any string or binary type (binary is checked for UTF-8 per row).
-fn is_text(t: &DataType) -> bool {
-    matches!(
-        t,
-        DataType::Utf8
-            | DataType::LargeUtf8
-            | DataType::Utf8View
-            | DataType::Binary
-            | DataType::LargeBinary
-            | DataType::BinaryView
-    )
-}
-
-fn is_string(t: &DataType) -> bool {
-    matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View)
-}
-
 /// `~/x` and paths relative to the pipeline file's directory.
-fn resolve(base: &Path, path: &str) -> PathBuf {
+pub(super) fn resolve(base: &Path, path: &str) -> PathBuf {
     let expanded = match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
         (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
         _ => PathBuf::from(path),
@@ -159,6 +146,14 @@ impl Pipeline {
                             "{field}.batch_rows: {} is out of range; use 1..=1048576",
                             t.batch_rows
                         )));
+                    }
+                    if let Some(labels) = &t.labels {
+                        let mut seen = std::collections::HashSet::new();
+                        if let Some(dup) = labels.iter().find(|l| !seen.insert(l.as_str())) {
+                            return Err(err(format!(
+                                "{field}.labels: `{dup}` is listed twice; list each class once"
+                            )));
+                        }
                     }
                     if t.labels.is_some() && t.label.is_none() {
                         return Err(err(format!(
@@ -314,96 +309,6 @@ impl Pipeline {
     }
 }
 
-fn table_def(base: &Path, name: &str, t: TableSpec) -> Result<TableDef, String> {
-    let kinds: Vec<(&str, &String)> = [
-        ("delta", t.delta.as_ref()),
-        ("parquet", t.parquet.as_ref()),
-        ("csv", t.csv.as_ref()),
-        ("json", t.json.as_ref()),
-    ]
-    .into_iter()
-    .filter_map(|(k, v)| v.map(|v| (k, v)))
-    .collect();
-    let [(kind, path)] = kinds[..] else {
-        return Err(
-            "give exactly one of `delta`, `parquet`, `csv`, `json` with the table's path".into(),
-        );
-    };
-    let path = resolve(base, path);
-    if kind != "delta" && (t.version.is_some() || t.timestamp.is_some()) {
-        return Err("`version` and `timestamp` (time travel) apply to `delta` tables only".into());
-    }
-    if kind != "csv"
-        && (t.has_header.is_some() || t.delimiter.is_some() || t.newlines_in_values.is_some())
-    {
-        return Err(
-            "`has_header`, `delimiter` and `newlines_in_values` apply to `csv` tables only".into(),
-        );
-    }
-    if matches!(kind, "delta" | "parquet") && t.compression.is_some() {
-        return Err("`compression` applies to `csv` and `json` tables only".into());
-    }
-    if kind != "delta"
-        && catalog::files_of(&path)
-            .map_err(|e| e.to_string())?
-            .is_empty()
-    {
-        return Err(format!(
-            "no {kind} file at `{}`; check the path",
-            path.display()
-        ));
-    }
-    let compression = t
-        .compression
-        .unwrap_or_else(|| catalog::compression_from_extension(&path));
-    let kind = match kind {
-        "delta" => {
-            let at = match (t.version, t.timestamp) {
-                (Some(_), Some(_)) => return Err("give `version` or `timestamp`, not both".into()),
-                (Some(v), None) if v < 0 => {
-                    return Err(format!("`version: {v}` must be 0 or more"));
-                }
-                (Some(v), None) => Some(TimeTravel::Version(v.unsigned_abs())),
-                (None, Some(ts)) => {
-                    chrono::DateTime::parse_from_rfc3339(&ts).map_err(|e| {
-                        format!("`timestamp: {ts}` is not RFC 3339 (2026-01-31T12:00:00Z): {e}")
-                    })?;
-                    Some(TimeTravel::Timestamp(ts))
-                }
-                (None, None) => None,
-            };
-            if at.is_some() && !catalog::delta_exists(&path) {
-                return Err(format!(
-                    "time travel needs an existing Delta table, and `{}` has no _delta_log",
-                    path.display()
-                ));
-            }
-            TableKind::Delta { at }
-        }
-        "parquet" => TableKind::Parquet,
-        "csv" => {
-            let delimiter = t.delimiter.unwrap_or(',');
-            if !delimiter.is_ascii() {
-                return Err(format!(
-                    "`delimiter: {delimiter}` must be one ASCII character"
-                ));
-            }
-            TableKind::Csv {
-                has_header: t.has_header.unwrap_or(true),
-                delimiter: delimiter as u8,
-                newlines_in_values: t.newlines_in_values.unwrap_or(true),
-                compression,
-            }
-        }
-        _ => TableKind::Json { compression },
-    };
-    Ok(TableDef {
-        name: name.to_string(),
-        kind,
-        path,
-    })
-}
-
 fn query(base: &Path, s: &Source, field: &str) -> Result<Query, String> {
     match (&s.from, &s.sql, &s.sql_file) {
         (Some(table), None, None) => Ok(Query {
@@ -452,120 +357,5 @@ fn output_table(
              cannot write it"
         )),
         Some(_) => Ok(()),
-    }
-}
-
-/// Plans `query` (no execution) and returns its output schema.
-async fn plan_schema(
-    ctx: &SessionContext,
-    query: &Query,
-    tables: &BTreeMap<String, TableDef>,
-) -> Result<SchemaRef, String> {
-    let df = ctx.sql(&query.sql).await.map_err(|e| {
-        let msg = e.strip_backtrace();
-        let hint = if msg.contains("table") && msg.contains("not found") {
-            let declared = tables.keys().cloned().collect::<Vec<_>>().join(", ");
-            format!("; declare the table under `tables` (declared: {declared})")
-        } else {
-            String::new()
-        };
-        format!("{}: {msg}{hint}", query.origin)
-    })?;
-    Ok(df.schema().inner().clone())
-}
-
-fn check_tokenize_columns(t: &TokenizeStage, schema: &Schema) -> Result<(), String> {
-    let columns = || {
-        schema
-            .fields()
-            .iter()
-            .map(|f| f.name().as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let get =
-        |key: &str, name: &str| {
-            schema.field_with_name(name).map(|f| f.data_type().clone()).map_err(|_| {
-            format!(
-                "{}.{key}: column `{name}` not found in the stage's query (columns: {}); fix \
-                 the column name or the query",
-                t.field,
-                columns()
-            )
-        })
-        };
-    let p = &t.policy;
-    let id = get("id", &p.id)?;
-    if !(id.is_integer() || is_string(&id)) {
-        return Err(format!(
-            "{}.id: column `{}` has type {id}; ids must be integers or strings",
-            t.field, p.id
-        ));
-    }
-    for (key, name) in [("text", Some(&p.text)), ("text_pair", p.text_pair.as_ref())] {
-        if let Some(name) = name {
-            let ty = get(key, name)?;
-            if !is_text(&ty) {
-                return Err(format!(
-                    "{}.{key}: column `{name}` has type {ty}; text must be a string or binary \
-                     column (cast it in the query)",
-                    t.field
-                ));
-            }
-        }
-    }
-    if let Some(label) = &p.label {
-        let ty = get("label", label)?;
-        if !(ty.is_integer() || is_string(&ty)) {
-            return Err(format!(
-                "{}.label: column `{label}` has type {ty}; labels must be integers or strings",
-                t.field
-            ));
-        }
-        if t.labels.is_some() && !is_string(&ty) {
-            return Err(format!(
-                "{}.labels: column `{label}` holds integers, which are used as class ids as \
-                 they are; remove `labels`",
-                t.field
-            ));
-        }
-    }
-    let reserved = ["input_ids", "length", "label"];
-    for name in &p.keep {
-        get("keep", name)?;
-        if reserved.contains(&name.as_str()) || *name == p.id {
-            return Err(format!(
-                "{}.keep: `{name}` is a column the stage writes itself; rename it in the query",
-                t.field
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Columns by name and type, ignoring nullability and metadata.
-fn schema_diff(table: &Schema, query: &Schema) -> Result<(), String> {
-    let describe = |s: &Schema| {
-        s.fields()
-            .iter()
-            .map(|f| format!("{} {}", f.name(), f.data_type()))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let same = table.fields().len() == query.fields().len()
-        && table.fields().iter().all(|f| {
-            query.field_with_name(f.name()).is_ok_and(|q| {
-                q.data_type() == f.data_type()
-                    || (is_string(q.data_type()) && is_string(f.data_type()))
-            })
-        });
-    if same {
-        Ok(())
-    } else {
-        Err(format!(
-            "table has ({}), query gives ({})",
-            describe(table),
-            describe(query)
-        ))
     }
 }
