@@ -397,3 +397,45 @@ fn negative_integer_labels_are_an_error_naming_the_row() {
         "{err}"
     );
 }
+
+#[test]
+fn parquet_tables_read_a_directory_or_a_glob_of_files() {
+    let s = Scratch::new();
+    std::fs::create_dir_all(s.path().join("parts")).unwrap();
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("text", DataType::Utf8, false),
+    ]));
+    for (part, ids) in [("a", vec![1, 2]), ("b", vec![3])] {
+        let texts: Vec<String> = ids.iter().map(|i| format!("review {i}")).collect();
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(Int64Array::from(ids)),
+                Arc::new(arrow::array::StringArray::from(texts)),
+            ],
+        )
+        .unwrap();
+        let file = std::fs::File::create(s.path().join(format!("parts/{part}.parquet"))).unwrap();
+        let mut writer = parquet::arrow::ArrowWriter::try_new(file, schema.clone(), None).unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+    }
+    for (source, rows) in [
+        ("parts", 3),
+        ("parts/*.parquet", 3),
+        ("parts/b*.parquet", 1),
+    ] {
+        s.write(
+            "p.yaml",
+            &format!(
+                "name: t\ntables:\n  src: {{ parquet: \"{source}\" }}\n  out: {{ delta: lake/out }}\n\
+                 stages:\n  - write:\n      from: src\n      to: out\n"
+            ),
+        );
+        // --force: the directory and the first glob name the same files (a cache hit).
+        let r = s.run_ok(&["p.yaml", "--force"]);
+        assert_eq!(r[0]["cached"], false);
+        assert_eq!(r[0]["rows_out"], rows, "{source}: {}", r[0]);
+    }
+}
