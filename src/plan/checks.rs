@@ -21,7 +21,7 @@ fn is_text(t: &DataType) -> bool {
     )
 }
 
-pub(super) fn is_string(t: &DataType) -> bool {
+pub(crate) fn is_string(t: &DataType) -> bool {
     matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View)
 }
 

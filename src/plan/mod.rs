@@ -1,18 +1,21 @@
 //! Step two of reading a pipeline file: resolve paths, check every table, query, column and
 //! type against the real tables, and produce a plan, all before any stage runs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 mod checks;
 mod tables;
 
 use arrow::datatypes::Schema;
+use datafusion::prelude::SessionContext;
 
 use crate::catalog::{self, TableDef, TableKind};
 use crate::config::{PipelineFile, Source, StageKind, WriteMode};
 use crate::error::{Error, Result};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
+pub(crate) use checks::is_string;
 use checks::{check_tokenize_columns, plan_schema, schema_diff};
 use tables::table_def;
 
@@ -54,7 +57,8 @@ pub(crate) struct TokenizeStage {
     pub query: Query,
     pub to: String,
     pub tokenizer: PathBuf,
-    pub encoder: EncoderSettings,
+    /// Loaded once, when the file is read: validation and the run share it.
+    pub encoder: Arc<Encoder>,
     pub policy: RowPolicy,
     pub labels: Option<Vec<String>>,
     pub batch_rows: usize,
@@ -65,6 +69,14 @@ impl Stage {
         match self {
             Stage::Write(s) => &s.name,
             Stage::Tokenize(s) => &s.name,
+        }
+    }
+
+    /// The table the stage writes.
+    pub(crate) fn to(&self) -> &str {
+        match self {
+            Stage::Write(s) => &s.to,
+            Stage::Tokenize(s) => &s.to,
         }
     }
 }
@@ -173,18 +185,21 @@ impl Pipeline {
                             json.display()
                         )));
                     }
+                    let settings = EncoderSettings {
+                        max_length: t.max_length,
+                        truncate: t.on_overlong == crate::config::OnOverlong::Truncate,
+                        truncation: t.truncation,
+                        add_special_tokens: t.add_special_tokens,
+                    };
+                    let encoder = Encoder::from_path(&tokenizer, settings)
+                        .map_err(|e| err(format!("{field}.tokenizer: {e}")))?;
                     Stage::Tokenize(TokenizeStage {
                         name,
                         field,
                         query,
                         to: t.to,
                         tokenizer,
-                        encoder: EncoderSettings {
-                            max_length: t.max_length,
-                            truncate: t.on_overlong == crate::config::OnOverlong::Truncate,
-                            truncation: t.truncation,
-                            add_special_tokens: t.add_special_tokens,
-                        },
+                        encoder: Arc::new(encoder),
                         policy: RowPolicy {
                             id: t.id,
                             text: t.text,
@@ -213,10 +228,7 @@ impl Pipeline {
             return Err(err("`stages` is empty; add at least one stage".into()));
         }
         for def in tables.values() {
-            let written = stages.iter().any(|s| match s {
-                Stage::Write(w) => w.to == def.name,
-                Stage::Tokenize(t) => t.to == def.name,
-            });
+            let written = stages.iter().any(|s| s.to() == def.name);
             if def.is_delta() && !written && !catalog::delta_exists(&def.path) {
                 return Err(err(format!(
                     "tables.{}: no Delta table at `{}` (no _delta_log) and no stage writes it; \
@@ -243,34 +255,51 @@ impl Pipeline {
     /// against what earlier stages will write, without running anything.
     pub async fn validate(&self) -> Result<()> {
         let ctx = catalog::session();
-        let err = |m: String| Error::config(&self.file, m);
+        self.register_tables(&ctx).await?;
+        self.check_stages(&ctx).await
+    }
+
+    /// Registers every table that exists in `ctx`; returns what each one reads now (for
+    /// fingerprints). Tables that a stage will create are left out.
+    pub(crate) async fn register_tables(
+        &self,
+        ctx: &SessionContext,
+    ) -> Result<HashMap<String, String>> {
+        let mut identities = HashMap::new();
         for def in self.tables.values() {
             if def.is_delta() && !catalog::delta_exists(&def.path) {
-                // Written by a stage (checked in load); registered when planned below.
-                continue;
+                continue; // written by a stage (checked in load)
             }
-            def.register(&ctx)
+            let identity = def
+                .register(ctx)
                 .await
-                .map_err(|e| err(format!("tables.{}: {e}", def.name)))?;
+                .map_err(|e| Error::config(&self.file, format!("tables.{}: {e}", def.name)))?;
+            identities.insert(def.name.clone(), identity);
         }
+        Ok(identities)
+    }
+
+    /// Plans each stage's query in `ctx` (which holds the existing tables) and checks it;
+    /// each stage's output is then registered as an empty table with the schema it will
+    /// have, so later stages are checked against it.
+    pub(crate) async fn check_stages(&self, ctx: &SessionContext) -> Result<()> {
+        let err = |m: String| Error::config(&self.file, m);
         for stage in &self.stages {
             match stage {
                 Stage::Write(w) => {
-                    let schema = plan_schema(&ctx, &w.query, &self.tables)
+                    let schema = plan_schema(ctx, &w.query, &self.tables)
                         .await
                         .map_err(err)?;
                     self.check_write_target(w, &schema).await.map_err(err)?;
-                    catalog::register_planned(&ctx, &w.to, schema)?;
+                    catalog::register_planned(ctx, &w.to, schema)?;
                 }
                 Stage::Tokenize(t) => {
-                    let schema = plan_schema(&ctx, &t.query, &self.tables)
+                    let schema = plan_schema(ctx, &t.query, &self.tables)
                         .await
                         .map_err(err)?;
                     check_tokenize_columns(t, &schema).map_err(err)?;
-                    Encoder::from_path(&t.tokenizer, t.encoder)
-                        .map_err(|e| err(format!("{}.tokenizer: {e}", t.field)))?;
                     let out = tokenize::output_schema(&schema, &t.policy)?;
-                    catalog::register_planned(&ctx, &t.to, out)?;
+                    catalog::register_planned(ctx, &t.to, out)?;
                 }
             }
         }

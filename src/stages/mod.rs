@@ -3,7 +3,7 @@
 mod tokenize;
 mod write;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 use datafusion::prelude::SessionContext;
@@ -109,27 +109,37 @@ impl Pipeline {
     /// commit; a stage whose inputs and settings are unchanged since its last commit is
     /// skipped unless `force` is set.
     pub async fn run(&self, options: &RunOptions) -> Result<Vec<StageReport>> {
-        self.validate().await?;
+        // Tables are registered once; validation then runs in the same session.
+        let ctx = catalog::session();
+        let identities = self.register_tables(&ctx).await?;
+        self.check_stages(&ctx).await?;
         let mut run = Run {
             pipeline: self,
-            ctx: catalog::session(),
-            identities: HashMap::new(),
+            ctx,
+            identities,
             options,
         };
-        for (name, def) in &self.tables {
-            if !def.is_delta() || catalog::delta_exists(&def.path) {
+        // Validation left empty planned tables under the stages' output names: put the real
+        // ones back (or nothing, for tables a stage will create).
+        let outputs: BTreeSet<&str> = self.stages.iter().map(Stage::to).collect();
+        for name in outputs {
+            if catalog::delta_exists(&self.tables[name].path) {
                 run.refresh(name).await?;
+            } else {
+                run.ctx
+                    .deregister_table(name)
+                    .map_err(|e| Error::engine(format!("table `{name}`"), e))?;
             }
         }
         let mut reports = Vec::new();
         for stage in &self.stages {
             let started = Instant::now();
-            let (mut report, to) = match stage {
-                Stage::Write(w) => (write::run(&run, w).await?, &w.to),
-                Stage::Tokenize(t) => (tokenize::run(&run, t).await?, &t.to),
+            let mut report = match stage {
+                Stage::Write(w) => write::run(&run, w).await?,
+                Stage::Tokenize(t) => tokenize::run(&run, t).await?,
             };
             report.seconds = started.elapsed().as_secs_f64();
-            run.refresh(to).await?;
+            run.refresh(stage.to()).await?;
             if options.progress {
                 eprintln!("{report}");
             }

@@ -18,9 +18,9 @@ use crate::config::WriteMode;
 use crate::delta::{self, CommitTag};
 use crate::error::{Error, Result};
 use crate::fingerprint;
-use crate::plan::TokenizeStage;
+use crate::plan::{TokenizeStage, is_string};
 use crate::report::StageReport;
-use crate::tokenize::{self, Counters, Encoder, LabelMap};
+use crate::tokenize::{self, Counters, LabelMap};
 
 /// Batches tokenized ahead of the writer: reading, tokenizing and writing overlap.
 const IN_FLIGHT: usize = 2;
@@ -46,18 +46,13 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
         .select_columns(&columns)
         .map_err(engine)?;
 
-    let encoder = Arc::new(Encoder::from_path(&stage.tokenizer, stage.encoder)?);
+    let encoder = stage.encoder.clone();
     let label_names = match &policy.label {
         Some(label)
             if df
                 .schema()
                 .field_with_unqualified_name(label)
-                .is_ok_and(|f| {
-                    matches!(
-                        f.data_type(),
-                        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
-                    )
-                }) =>
+                .is_ok_and(|f| is_string(f.data_type())) =>
         {
             Some(match &stage.labels {
                 Some(names) => names.clone(),
@@ -72,7 +67,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
         "sql": stage.query.sql,
         "inputs": inputs,
         "tokenizer_sha256": encoder.sha256(),
-        "encoder": stage.encoder,
+        "encoder": encoder.settings(),
         "policy": policy,
         "labels": label_names,
     }));
@@ -164,8 +159,8 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
         fingerprint,
         extra: json!({
             "labels": label_names,
-            "tokenizer": encoder_path(stage),
-            "max_length": stage.encoder.max_length,
+            "tokenizer": stage.tokenizer.display().to_string(),
+            "max_length": stage.encoder.settings().max_length,
         }),
     };
     let written = delta::write_plan(&ctx, def, plan, WriteMode::Overwrite, &tag).await;
@@ -196,10 +191,6 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     Ok(report)
-}
-
-fn encoder_path(stage: &TokenizeStage) -> String {
-    stage.tokenizer.display().to_string()
 }
 
 /// Sorted distinct non-null values of a string label column.

@@ -62,8 +62,15 @@ impl Encoded {
     pub fn len(&self, row: usize) -> usize {
         (self.offsets[row + 1] - self.offsets[row]) as usize
     }
-    pub fn rows(&self) -> usize {
-        self.offsets.len().saturating_sub(1)
+}
+
+impl std::fmt::Debug for Encoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Encoder")
+            .field("path", &self.path)
+            .field("sha256", &self.sha256)
+            .field("settings", &self.settings)
+            .finish()
     }
 }
 
@@ -119,13 +126,9 @@ impl Encoder {
         &self.sha256
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Size of the vocabulary, added tokens included.
-    pub fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
+    /// The settings the tokenizer was loaded with.
+    pub fn settings(&self) -> EncoderSettings {
+        self.settings
     }
 
     /// Encodes rows in parallel. `pairs`, when given, has one second text per row.
