@@ -46,18 +46,23 @@ pub(crate) struct LastCommit {
     pub rows_added: Option<u64>,
 }
 
-/// Reads the latest commit of `def`, or `None` when the table does not exist yet.
-pub(crate) async fn last_commit(def: &TableDef) -> Result<Option<LastCommit>> {
-    if !catalog::delta_exists(&def.path) {
-        return Ok(None);
+/// The latest version of a stage's target table, or `None` when a stage will create it.
+pub(crate) async fn open_target(def: &TableDef) -> Result<Option<DeltaTable>> {
+    if catalog::delta_exists(&def.path) {
+        Ok(Some(def.open_delta(None).await?))
+    } else {
+        Ok(None)
     }
-    let table = def.open_delta(None).await?;
+}
+
+/// Reads the latest commit of `table`.
+pub(crate) async fn last_commit(table: &DeltaTable) -> Result<Option<LastCommit>> {
     let Some(version) = table.version() else {
         return Ok(None);
     };
     let mut history = table.history(Some(1));
     let info = match history.next().await {
-        Some(info) => info.map_err(|e| Error::delta(format!("history of `{}`", def.name), e))?,
+        Some(info) => info.map_err(|e| Error::delta("reading the table's history", e))?,
         None => return Ok(None),
     };
     let rows_added = info
@@ -83,26 +88,28 @@ impl LastCommit {
     }
 }
 
-/// Writes the rows of `plan` to the Delta table `def` in one commit.
+/// Writes `stream` to the Delta table `def` (opened as `target`, or created) in one commit.
 ///
 /// Nothing is visible to readers until the commit: a failed or killed run leaves data files
 /// that no version references, and the table at its last committed version.
-pub(crate) async fn write_plan(
+pub(crate) async fn write_stream(
     ctx: &SessionContext,
     def: &TableDef,
-    plan: LogicalPlan,
+    target: Option<DeltaTable>,
+    stream: SendableRecordBatchStream,
     mode: WriteMode,
     tag: &CommitTag,
 ) -> Result<DeltaTable> {
-    let url = def.url()?;
-    let table = if catalog::delta_exists(&def.path) {
-        def.open_delta(None).await?
-    } else {
-        std::fs::create_dir_all(&def.path)
-            .map_err(|e| Error::io(format!("creating {}", def.path.display()), e))?;
-        DeltaTable::try_from_url(url)
-            .await
-            .map_err(|e| Error::delta(format!("table `{}`", def.name), e))?
+    let plan = stream_plan(ctx, stream)?;
+    let table = match target {
+        Some(table) => table,
+        None => {
+            std::fs::create_dir_all(&def.path)
+                .map_err(|e| Error::io(format!("creating {}", def.path.display()), e))?;
+            DeltaTable::try_from_url(def.url()?)
+                .await
+                .map_err(|e| Error::delta(format!("table `{}`", def.name), e))?
+        }
     };
     let (save, schema_mode) = match mode {
         WriteMode::Create => (SaveMode::ErrorIfExists, None),
@@ -172,10 +179,7 @@ impl PartitionStream for OnceStream {
 }
 
 /// Wraps a record batch stream as a logical plan.
-pub(crate) fn stream_plan(
-    ctx: &SessionContext,
-    stream: SendableRecordBatchStream,
-) -> Result<LogicalPlan> {
+fn stream_plan(ctx: &SessionContext, stream: SendableRecordBatchStream) -> Result<LogicalPlan> {
     let schema = stream.schema();
     let part = Arc::new(OnceStream {
         schema: schema.clone(),

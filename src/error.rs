@@ -73,13 +73,6 @@ impl Error {
         context: impl Into<String>,
         source: datafusion::error::DataFusionError,
     ) -> Self {
-        // Errors we raised ourselves inside a DataFusion stream come back wrapped; unwrap them
-        // so the user sees our message, not "External error: ...".
-        if let datafusion::error::DataFusionError::External(inner) = &source
-            && let Some(ours) = inner.downcast_ref::<Error>()
-        {
-            return ours.clone_message();
-        }
         Error::Engine {
             context: context.into(),
             source: Box::new(source),
@@ -90,15 +83,6 @@ impl Error {
         Error::Delta {
             context: context.into(),
             source: Box::new(source),
-        }
-    }
-
-    /// A copy of a data error raised inside a stream (errors are not `Clone`).
-    fn clone_message(&self) -> Self {
-        match self {
-            Error::Data(m) => Error::Data(m.clone()),
-            Error::Tokenizer(m) => Error::Tokenizer(m.clone()),
-            other => Error::Internal(other.to_string()),
         }
     }
 }

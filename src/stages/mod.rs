@@ -6,11 +6,14 @@ mod write;
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
+use datafusion::physical_plan::SendableRecordBatchStream;
 use datafusion::prelude::SessionContext;
+use deltalake::DeltaTable;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::catalog::{self, TableDef};
-use crate::delta;
+use crate::config::WriteMode;
+use crate::delta::{self, CommitTag};
 use crate::error::{Error, Result};
 use crate::plan::{Pipeline, Stage};
 use crate::report::StageReport;
@@ -63,6 +66,16 @@ impl Run<'_> {
         bar
     }
 
+    /// What lakeml records in the commit a stage makes.
+    fn tag(&self, stage: &str, fingerprint: String, extra: serde_json::Value) -> CommitTag {
+        CommitTag {
+            pipeline: self.pipeline.name.clone(),
+            stage: stage.to_string(),
+            fingerprint,
+            extra,
+        }
+    }
+
     /// (Re-)registers table `name` so later stages read what a stage just wrote.
     async fn refresh(&mut self, name: &str) -> Result<()> {
         let def = &self.pipeline.tables[name];
@@ -76,14 +89,14 @@ impl Run<'_> {
 /// commit to it has this fingerprint (and `--force` was not given).
 async fn up_to_date(
     run: &Run<'_>,
-    def: &TableDef,
+    target: Option<&DeltaTable>,
     fingerprint: &str,
     report: StageReport,
 ) -> Result<Option<StageReport>> {
-    if run.options.force {
+    let Some(table) = target.filter(|_| !run.options.force) else {
         return Ok(None);
-    }
-    Ok(delta::last_commit(def)
+    };
+    Ok(delta::last_commit(table)
         .await?
         .filter(|last| last.matches(fingerprint))
         .map(|last| StageReport {
@@ -94,14 +107,44 @@ async fn up_to_date(
         }))
 }
 
-/// A stage's failed commit, worded for the user: nothing was committed.
-fn failed(stage: &str, table: &str, e: Error) -> Error {
-    match e {
-        Error::Delta { source, .. } => Error::Data(format!(
-            "stage `{stage}` failed: {source}; table `{table}` is unchanged"
-        )),
-        other => other,
+/// Commits a stage's output stream to its table; on failure, says that nothing changed.
+async fn commit(
+    ctx: &SessionContext,
+    def: &TableDef,
+    target: Option<DeltaTable>,
+    stream: SendableRecordBatchStream,
+    mode: WriteMode,
+    tag: CommitTag,
+) -> Result<DeltaTable> {
+    delta::write_stream(ctx, def, target, stream, mode, &tag)
+        .await
+        .map_err(|e| {
+            // Errors a stage raises inside its stream (a bad row) come back wrapped by
+            // DataFusion and delta-rs: report the stage's own words.
+            let cause = match raised_in_stream(&e) {
+                Some(ours) => ours.to_string(),
+                None => match &e {
+                    Error::Delta { source, .. } => source.to_string(),
+                    other => other.to_string(),
+                },
+            };
+            Error::Data(format!(
+                "stage `{}` failed: {cause}; table `{}` is unchanged",
+                tag.stage, def.name
+            ))
+        })
+}
+
+/// A lakeml error somewhere in `e`'s chain of causes.
+fn raised_in_stream(e: &Error) -> Option<&Error> {
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        if let Some(ours) = c.downcast_ref::<Error>() {
+            return Some(ours);
+        }
+        cause = c.source();
     }
+    None
 }
 
 impl Pipeline {

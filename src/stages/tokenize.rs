@@ -2,8 +2,8 @@
 //! bounded memory, written in one commit, and reused while its fingerprint matches.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 
 use arrow::array::AsArray;
 use arrow::datatypes::DataType;
@@ -15,7 +15,7 @@ use serde_json::json;
 
 use super::Run;
 use crate::config::WriteMode;
-use crate::delta::{self, CommitTag};
+use crate::delta;
 use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::plan::{TokenizeStage, is_string};
@@ -77,7 +77,10 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
         table: stage.to.clone(),
         ..Default::default()
     };
-    if let Some(cached) = super::up_to_date(run, def, &fingerprint, report.clone()).await? {
+    let target = delta::open_target(def).await?;
+    if let Some(cached) =
+        super::up_to_date(run, target.as_ref(), &fingerprint, report.clone()).await?
+    {
         return Ok(cached);
     }
     let mut report = report;
@@ -95,16 +98,9 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
     let stream = df.execute_stream().await.map_err(engine)?;
     let schema = tokenize::output_schema(&stream.schema(), policy)?;
     let counters = Arc::new(Counters::default());
-    // The first data error, kept as ours: delta-rs wraps stream errors in its own.
-    let failure: Arc<Mutex<Option<Error>>> = Arc::default();
     let bar = run.progress(&stage.name);
     let tokenized = {
-        let (schema, counters, failure, bar) = (
-            schema.clone(),
-            counters.clone(),
-            failure.clone(),
-            bar.clone(),
-        );
+        let (schema, counters, bar) = (schema.clone(), counters.clone(), bar.clone());
         let (policy, labels, encoder) = (Arc::new(policy.clone()), Arc::new(labels), encoder);
         let progress = counters.clone();
         stream
@@ -134,44 +130,32 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
                 }
             })
             .buffered(IN_FLIGHT)
-            .inspect(move |result| match result {
-                Ok(_) => bar.set_message(format!(
-                    "{} rows, {} tokens",
-                    progress.rows_in.load(Ordering::Relaxed),
-                    progress.tokens.load(Ordering::Relaxed)
-                )),
-                Err(DataFusionError::External(e)) => {
-                    if let (Some(ours), Ok(mut slot)) = (e.downcast_ref::<Error>(), failure.lock())
-                    {
-                        slot.get_or_insert_with(|| Error::Data(ours.to_string()));
-                    }
+            .inspect(move |result| {
+                if result.is_ok() {
+                    bar.set_message(format!(
+                        "{} rows, {} tokens",
+                        progress.rows_in.load(Ordering::Relaxed),
+                        progress.tokens.load(Ordering::Relaxed)
+                    ));
                 }
-                Err(_) => {}
             })
     };
-    let plan = delta::stream_plan(
+    let extra = json!({
+        "labels": label_names,
+        "tokenizer": stage.tokenizer.display().to_string(),
+        "max_length": stage.encoder.settings().max_length,
+    });
+    let written = super::commit(
         &ctx,
+        def,
+        target,
         Box::pin(RecordBatchStreamAdapter::new(schema, tokenized)),
-    )?;
-    let tag = CommitTag {
-        pipeline: run.pipeline.name.clone(),
-        stage: stage.name.clone(),
-        fingerprint,
-        extra: json!({
-            "labels": label_names,
-            "tokenizer": stage.tokenizer.display().to_string(),
-            "max_length": stage.encoder.settings().max_length,
-        }),
-    };
-    let written = delta::write_plan(&ctx, def, plan, WriteMode::Overwrite, &tag).await;
+        WriteMode::Overwrite,
+        run.tag(&stage.name, fingerprint, extra),
+    )
+    .await;
     bar.finish_and_clear();
-    if let Some(err) = failure.lock().ok().and_then(|mut f| f.take()) {
-        return Err(Error::Data(format!(
-            "stage `{}`: {err}; table `{}` is unchanged",
-            stage.name, stage.to
-        )));
-    }
-    let table = written.map_err(|e| super::failed(&stage.name, &stage.to, e))?;
+    let table = written?;
     let c = &counters;
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     report.version = table.version();

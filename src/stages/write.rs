@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::Run;
 use crate::config::WriteMode;
-use crate::delta::{self, CommitTag};
+use crate::delta;
 use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::plan::WriteStage;
@@ -37,8 +37,10 @@ pub(super) async fn run(run: &Run<'_>, stage: &WriteStage) -> Result<StageReport
         ..Default::default()
     };
     // An append always appends; create and overwrite skip when nothing changed.
+    let target = delta::open_target(def).await?;
     if stage.mode != WriteMode::Append
-        && let Some(cached) = super::up_to_date(run, def, &fingerprint, report.clone()).await?
+        && let Some(cached) =
+            super::up_to_date(run, target.as_ref(), &fingerprint, report.clone()).await?
     {
         return Ok(cached);
     }
@@ -61,19 +63,15 @@ pub(super) async fn run(run: &Run<'_>, stage: &WriteStage) -> Result<StageReport
             }
         })
     };
-    let plan = delta::stream_plan(
+    let table = super::commit(
         &run.ctx,
+        def,
+        target,
         Box::pin(RecordBatchStreamAdapter::new(schema, counted)),
-    )?;
-    let tag = CommitTag {
-        pipeline: run.pipeline.name.clone(),
-        stage: stage.name.clone(),
-        fingerprint,
-        extra: json!({}),
-    };
-    let table = delta::write_plan(&run.ctx, def, plan, stage.mode, &tag)
-        .await
-        .map_err(|e| super::failed(&stage.name, &stage.to, e))?;
+        stage.mode,
+        run.tag(&stage.name, fingerprint, json!({})),
+    )
+    .await?;
     bar.finish_and_clear();
     report.version = table.version();
     report.rows_in = rows.load(Ordering::Relaxed);
