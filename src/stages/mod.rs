@@ -4,11 +4,15 @@ mod tokenize;
 mod write;
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use datafusion::error::DataFusionError;
 use datafusion::physical_plan::SendableRecordBatchStream;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::prelude::SessionContext;
 use deltalake::DeltaTable;
+use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::catalog::{self, TableDef};
@@ -116,35 +120,35 @@ async fn commit(
     mode: WriteMode,
     tag: CommitTag,
 ) -> Result<DeltaTable> {
-    delta::write_stream(ctx, def, target, stream, mode, &tag)
+    // A stage's own error inside its stream (a bad row) reaches us flattened into a string by
+    // delta-rs, so the first one is kept as it passes, to report in the stage's own words.
+    let first_error: Arc<Mutex<Option<String>>> = Arc::default();
+    let schema = stream.schema();
+    let watched = {
+        let first_error = first_error.clone();
+        stream.inspect(move |result| {
+            if let Err(DataFusionError::External(e)) = result
+                && let Some(ours) = e.downcast_ref::<Error>()
+                && let Ok(mut slot) = first_error.lock()
+            {
+                slot.get_or_insert_with(|| ours.to_string());
+            }
+        })
+    };
+    let watched = Box::pin(RecordBatchStreamAdapter::new(schema, watched));
+    delta::write_stream(ctx, def, target, watched, mode, &tag)
         .await
         .map_err(|e| {
-            // Errors a stage raises inside its stream (a bad row) come back wrapped by
-            // DataFusion and delta-rs: report the stage's own words.
-            let cause = match raised_in_stream(&e) {
-                Some(ours) => ours.to_string(),
-                None => match &e {
-                    Error::Delta { source, .. } => source.to_string(),
-                    other => other.to_string(),
-                },
-            };
+            let ours = first_error.lock().ok().and_then(|mut slot| slot.take());
+            let cause = ours.unwrap_or_else(|| match &e {
+                Error::Delta { source, .. } => source.to_string(),
+                other => other.to_string(),
+            });
             Error::Data(format!(
                 "stage `{}` failed: {cause}; table `{}` is unchanged",
                 tag.stage, def.name
             ))
         })
-}
-
-/// A lakeml error somewhere in `e`'s chain of causes.
-fn raised_in_stream(e: &Error) -> Option<&Error> {
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        if let Some(ours) = c.downcast_ref::<Error>() {
-            return Some(ours);
-        }
-        cause = c.source();
-    }
-    None
 }
 
 impl Pipeline {

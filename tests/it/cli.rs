@@ -133,3 +133,28 @@ fn validate_accepts_a_good_file_without_writing_anything() {
     insta::assert_snapshot!(String::from_utf8_lossy(&out.stdout));
     assert!(!s.path().join("lake").exists());
 }
+
+#[test]
+fn bad_row_error_is_in_the_stage_words_and_says_the_table_is_unchanged() {
+    // delta-rs flattens errors raised inside a stage's stream into strings; the user must
+    // still see the stage's own message, not "Generic DeltaTable error: External error".
+    let s = Scratch::new();
+    s.write(
+        "d.jsonl",
+        "{\"id\": 1, \"text\": \"good\"}\n{\"id\": 2, \"text\": null}\n",
+    );
+    s.write(
+        "p.yaml",
+        &format!(
+            "name: t\ntables:\n  src: {{ json: d.jsonl }}\n  out: {{ delta: lake/out }}\n\
+             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n",
+            minilm().display()
+        ),
+    );
+    let out = s.pipeline(&["run", "p.yaml"]);
+    insta::assert_snapshot!(format!(
+        "exit {}\n{}",
+        out.status.code().unwrap_or(-1),
+        s.stderr(&out)
+    ));
+}
