@@ -269,12 +269,8 @@ pub(crate) fn tokenize_batch(
     let second_refs: Vec<&str> = second.iter().map(|s| s.as_ref()).collect();
     let encoded = encoder.encode(&first_refs, pairs.is_some().then_some(&second_refs[..]))?;
 
-    // Over-long rows: truncated (already cut), skipped or an error.
-    let mut keep_rows: Vec<u32> = Vec::with_capacity(rows.len());
-    let mut values: Vec<i32> = Vec::with_capacity(encoded.values.len());
-    let mut offsets: Vec<i32> = Vec::with_capacity(rows.len() + 1);
-    let mut lengths: Vec<i32> = Vec::with_capacity(rows.len());
-    offsets.push(0);
+    // Over-long rows: already cut (truncate), dropped (skip) or an error.
+    let mut kept: Vec<usize> = Vec::with_capacity(rows.len());
     for (k, &row) in rows.iter().enumerate() {
         if encoded.overlong[k] {
             match policy.on_overlong {
@@ -293,19 +289,31 @@ pub(crate) fn tokenize_batch(
                 }
             }
         }
-        let ids = &encoded.values[encoded.offsets[k] as usize..encoded.offsets[k + 1] as usize];
-        values.extend_from_slice(ids);
-        offsets.push(values.len() as i32);
-        lengths.push(ids.len() as i32);
-        keep_rows.push(row);
+        kept.push(k);
     }
-    let take = UInt32Array::from(keep_rows);
+    // Usually every row is kept and the encoder's buffers become the column as they are.
+    let (values, offsets, rows) = if kept.len() == rows.len() {
+        (encoded.values, encoded.offsets, rows)
+    } else {
+        let mut values = Vec::with_capacity(encoded.values.len());
+        let mut offsets = Vec::with_capacity(kept.len() + 1);
+        offsets.push(0);
+        for &k in &kept {
+            let (start, end) = (encoded.offsets[k] as usize, encoded.offsets[k + 1] as usize);
+            values.extend_from_slice(&encoded.values[start..end]);
+            offsets.push(values.len() as i32);
+        }
+        (values, offsets, kept.iter().map(|&k| rows[k]).collect())
+    };
+    let lengths: Vec<i32> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
+    let take = UInt32Array::from(rows);
     let take_col = |array: &ArrayRef| {
         arrow::compute::take(array.as_ref(), &take, None)
             .map_err(|e| Error::Internal(format!("take: {e}")))
     };
 
-    let mut columns: Vec<ArrayRef> = vec![take_col(ids)?];
+    let kept_ids = take_col(ids)?;
+    let mut columns: Vec<ArrayRef> = vec![kept_ids.clone()];
     let item = Arc::new(Field::new_list_field(DataType::Int32, false));
     let list = ListArray::try_new(
         item,
@@ -318,12 +326,7 @@ pub(crate) fn tokenize_batch(
     columns.push(Arc::new(list));
     columns.push(Arc::new(Int32Array::from(lengths)));
     if let Some(array) = label_array {
-        columns.push(label_ids(
-            &take_col(array)?,
-            labels,
-            &take_col(ids)?,
-            policy,
-        )?);
+        columns.push(label_ids(&take_col(array)?, labels, &kept_ids, policy)?);
     }
     for name in &policy.keep {
         columns.push(take_col(column(name)?)?);
