@@ -4,6 +4,9 @@
 #[derive(Debug, serde::Serialize)]
 pub struct RuntimeInfo {
     pub lakeml_version: &'static str,
+    /// The libtorch the binary was built against (version, library directory).
+    pub libtorch_version: &'static str,
+    pub libtorch_lib: &'static str,
     /// Threads libtorch uses for one op (CPU).
     pub torch_threads: i32,
     pub cuda_available: bool,
@@ -16,6 +19,8 @@ impl RuntimeInfo {
     pub fn detect() -> Self {
         Self {
             lakeml_version: env!("CARGO_PKG_VERSION"),
+            libtorch_version: env!("LAKEML_LIBTORCH_VERSION"),
+            libtorch_lib: env!("LAKEML_LIBTORCH_LIB"),
             torch_threads: tch::get_num_threads(),
             cuda_available: tch::Cuda::is_available(),
             cuda_devices: tch::Cuda::device_count(),
@@ -27,7 +32,11 @@ impl RuntimeInfo {
 impl std::fmt::Display for RuntimeInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "lakeml {}", self.lakeml_version)?;
-        writeln!(f, "libtorch: linked (tch 0.24, libtorch 2.11.0)")?;
+        writeln!(
+            f,
+            "libtorch {}: built against {}, loaded",
+            self.libtorch_version, self.libtorch_lib
+        )?;
         writeln!(
             f,
             "cpu cores: {}, torch intra-op threads: {}",

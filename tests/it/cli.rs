@@ -158,3 +158,17 @@ fn bad_row_error_is_in_the_stage_words_and_says_the_table_is_unchanged() {
         s.stderr(&out)
     ));
 }
+
+#[test]
+fn info_reports_the_linked_libtorch_which_is_the_pinned_version() {
+    let out = Scratch::new().pipeline(&["info"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // tch 0.24 binds libtorch 2.11.0 exactly (Cargo.toml, scripts/env.sh).
+    assert!(text.contains("libtorch 2.11.0"), "{text}");
+    assert!(text.contains("torch intra-op threads: "), "{text}");
+}
