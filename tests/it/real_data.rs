@@ -40,6 +40,10 @@ fn shipped_pipeline_tokenizes_every_review_as_transformers_does() {
     assert_eq!(summary["source_rows"], 12808, "{summary}");
     assert_eq!(summary["labels"], serde_json::json!(["fresh", "rotten"]));
     assert_eq!(summary["tokens"], tokenize["tokens"], "token totals differ");
+    assert_eq!(
+        summary["truncated"], tokenize["rows_by_outcome"]["truncated"],
+        "rows cut at max_length differ"
+    );
 
     let table = python(
         "read_delta.py",

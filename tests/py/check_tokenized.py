@@ -3,7 +3,8 @@
 usage: check_tokenized.py TOKENIZED_DIR SOURCE_DIR MODEL_DIR MAX_LENGTH
 Both tables are read with the `deltalake` package. Every source row's text is tokenized by
 AutoTokenizer(truncation=True, max_length=MAX_LENGTH) and must equal the table's input_ids,
-length and (string -> id, sorted) label. Prints a JSON summary; exits 1 on any difference.
+length and (string -> id, sorted) label; `truncated` counts the rows whose untruncated
+encoding is longer than MAX_LENGTH. Prints a JSON summary; exits 1 on any difference.
 """
 import json
 import sys
@@ -19,6 +20,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = [r["text"] for r in source]
     expected = tok(texts, truncation=True, max_length=int(max_length), padding=False)["input_ids"]
+    # Rows whose whole text has more than max_length tokens: the ones truncation cut.
+    whole = tok(texts, truncation=False, padding=False)["input_ids"]
     labels = sorted({r["label"] for r in source})
     by_id = {r["id"]: r for r in tokenized}
     mismatches = []
@@ -34,7 +37,7 @@ def main() -> None:
         "source_rows": len(source),
         "tokenized_rows": len(tokenized),
         "tokens": sum(len(ids) for ids in expected),
-        "truncated": sum(1 for ids in expected if len(ids) == int(max_length)),
+        "truncated": sum(1 for ids in whole if len(ids) > int(max_length)),
         "labels": labels,
         "mismatches": len(mismatches),
         "first_mismatches": mismatches[:3],
