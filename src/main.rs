@@ -30,7 +30,7 @@ enum Command {
         /// Print each stage's report as a JSON line on stdout.
         #[arg(long)]
         json: bool,
-        /// No progress bars.
+        /// No progress bars (reports are still printed).
         #[arg(long, short)]
         quiet: bool,
     },
@@ -87,7 +87,7 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             for report in &reports {
                 if json {
                     println!("{}", serde_json::to_string(report).unwrap_or_default());
-                } else if quiet {
+                } else {
                     println!("{report}");
                 }
             }

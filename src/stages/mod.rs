@@ -187,9 +187,6 @@ impl Pipeline {
             };
             report.seconds = started.elapsed().as_secs_f64();
             run.refresh(stage.to()).await?;
-            if options.progress {
-                eprintln!("{report}");
-            }
             reports.push(report);
         }
         Ok(reports)
