@@ -1,7 +1,7 @@
 //! CLI error wording and exit codes, under snapshot tests: every mistake in a pipeline file
 //! is reported (exit 2) before any work starts, naming the file and the field or line.
 
-use crate::common::{Scratch, minilm};
+use crate::common::{Scratch, minilm, tokenize_yaml};
 
 /// Writes `yaml` (with `{MINILM}` filled in) and a small CSV, runs `pipeline run`, returns
 /// "exit N" and stderr.
@@ -143,14 +143,7 @@ fn bad_row_error_is_in_the_stage_words_and_says_the_table_is_unchanged() {
         "d.jsonl",
         "{\"id\": 1, \"text\": \"good\"}\n{\"id\": 2, \"text\": null}\n",
     );
-    s.write(
-        "p.yaml",
-        &format!(
-            "name: t\ntables:\n  src: {{ json: d.jsonl }}\n  out: {{ delta: lake/out }}\n\
-             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n",
-            minilm().display()
-        ),
-    );
+    s.write("p.yaml", &tokenize_yaml("{ json: d.jsonl }", ""));
     let out = s.pipeline(&["run", "p.yaml"]);
     insta::assert_snapshot!(format!(
         "exit {}\n{}",

@@ -18,6 +18,17 @@ pub fn minilm() -> PathBuf {
     assets().join("all-MiniLM-L6-v2")
 }
 
+/// A pipeline with one table `src` (`source`, a table entry such as `{ json: d.jsonl }`) and
+/// one stage that tokenizes it with MiniLM into the Delta table `out`; `extra` holds more
+/// settings of that stage, each line indented by six spaces.
+pub fn tokenize_yaml(source: &str, extra: &str) -> String {
+    format!(
+        "name: t\ntables:\n  src: {source}\n  out: {{ delta: lake/out }}\n\
+         stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n{extra}",
+        minilm().display()
+    )
+}
+
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }

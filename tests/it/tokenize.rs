@@ -6,19 +6,12 @@ use std::sync::Arc;
 use arrow::array::{BinaryArray, Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Schema};
 
-use crate::common::{Scratch, minilm, python};
+use crate::common::{Scratch, minilm, python, tokenize_yaml};
 
 /// A pipeline over `data.jsonl` with a tokenize stage whose extra settings are `extra`.
 fn pipeline(s: &Scratch, rows: &str, extra: &str) {
     s.write("data.jsonl", rows);
-    s.write(
-        "p.yaml",
-        &format!(
-            "name: t\ntables:\n  src: {{ json: data.jsonl }}\n  out: {{ delta: lake/out }}\n\
-             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n{extra}",
-            minilm().display()
-        ),
-    );
+    s.write("p.yaml", &tokenize_yaml("{ json: data.jsonl }", extra));
 }
 
 fn table(s: &Scratch, name: &str) -> serde_json::Value {
@@ -138,13 +131,7 @@ fn binary_parquet(s: &Scratch) {
 fn invalid_utf8_in_binary_text_is_an_error_or_skipped_or_replaced() {
     let s = Scratch::new();
     binary_parquet(&s);
-    let yaml = |policy: &str| {
-        format!(
-            "name: t\ntables:\n  src: {{ parquet: bin.parquet }}\n  out: {{ delta: lake/out }}\n\
-             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n{policy}",
-            minilm().display()
-        )
-    };
+    let yaml = |policy: &str| tokenize_yaml("{ parquet: bin.parquet }", policy);
     s.write("p.yaml", &yaml(""));
     let (code, err) = failing(&s);
     assert_eq!(code, 1);
@@ -172,14 +159,7 @@ fn invalid_utf8_in_csv_is_an_error_naming_the_table_and_line() {
         b"id,text\n1,fine\n2,bad \xff here\n",
     )
     .unwrap();
-    s.write(
-        "p.yaml",
-        &format!(
-            "name: t\ntables:\n  src: {{ csv: bad.csv }}\n  out: {{ delta: lake/out }}\n\
-             stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n",
-            minilm().display()
-        ),
-    );
+    s.write("p.yaml", &tokenize_yaml("{ csv: bad.csv }", ""));
     let (code, err) = failing(&s);
     insta::assert_snapshot!(format!("exit {code}\n{err}"));
     assert!(!s.path().join("lake/out/_delta_log").exists());
