@@ -41,6 +41,10 @@ pub enum Error {
     #[error("{0}")]
     Tokenizer(String),
 
+    /// A model directory is unusable, or the model failed (out of memory, no CUDA).
+    #[error("{0}")]
+    Model(String),
+
     /// A bug in lakeml: please report it.
     #[error("internal error (a bug in lakeml, please report it): {0}")]
     Internal(String),

@@ -19,6 +19,7 @@ mod config;
 mod delta;
 mod error;
 mod fingerprint;
+mod model;
 mod plan;
 mod report;
 mod runtime;

@@ -1,0 +1,295 @@
+//! BERT (and MiniLM, which is a BERT) and RoBERTa, which differs only in its position ids
+//! and its classification head.
+//!
+//! Follows transformers 5.23 `models/bert/modeling_bert.py` and
+//! `models/roberta/modeling_roberta.py`; variable paths are HF's weight names.
+
+use serde::Deserialize;
+use tch::Tensor;
+use tch::nn::{self, Module};
+
+use super::{Classifier, activation, attention, attention_bias, embedding, layer_norm, linear};
+use crate::error::{Error, Result};
+
+/// `BertConfig` / `RobertaConfig`: the fields the forward pass reads.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct Config {
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub intermediate_size: i64,
+    #[serde(default = "gelu")]
+    pub hidden_act: String,
+    #[serde(default = "dropout")]
+    pub hidden_dropout_prob: f64,
+    #[serde(default = "dropout")]
+    pub attention_probs_dropout_prob: f64,
+    #[serde(default = "max_positions")]
+    pub max_position_embeddings: i64,
+    #[serde(default = "type_vocab")]
+    pub type_vocab_size: i64,
+    #[serde(default = "init_range")]
+    pub initializer_range: f64,
+    #[serde(default = "eps")]
+    pub layer_norm_eps: f64,
+    #[serde(default)]
+    pub pad_token_id: i64,
+    pub classifier_dropout: Option<f64>,
+    pub position_embedding_type: Option<String>,
+}
+
+fn gelu() -> String {
+    "gelu".into()
+}
+fn dropout() -> f64 {
+    0.1
+}
+fn max_positions() -> i64 {
+    512
+}
+fn type_vocab() -> i64 {
+    2
+}
+fn init_range() -> f64 {
+    0.02
+}
+fn eps() -> f64 {
+    1e-12
+}
+
+impl Config {
+    fn check(&self) -> Result<()> {
+        if let Some(kind) = &self.position_embedding_type
+            && kind != "absolute"
+        {
+            return Err(Error::Model(format!(
+                "position_embedding_type `{kind}` is not supported; lakeml implements `absolute`"
+            )));
+        }
+        if !super::ACTIVATIONS.contains(&self.hidden_act.as_str()) {
+            return Err(Error::Model(format!(
+                "hidden_act `{}` is not supported; lakeml implements {}",
+                self.hidden_act,
+                super::ACTIVATIONS.join(", ")
+            )));
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return Err(Error::Model(format!(
+                "hidden_size {} is not a multiple of num_attention_heads {}",
+                self.hidden_size, self.num_attention_heads
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `BertEmbeddings` / `RobertaEmbeddings`.
+struct Embeddings {
+    word: nn::Embedding,
+    position: nn::Embedding,
+    token_type: nn::Embedding,
+    norm: nn::LayerNorm,
+    dropout: f64,
+    /// RoBERTa: positions count real tokens from `padding_idx + 1`.
+    roberta_padding_idx: Option<i64>,
+}
+
+impl Embeddings {
+    fn new(p: nn::Path, c: &Config, roberta: bool) -> Self {
+        let pad = Some(c.pad_token_id);
+        Self {
+            word: embedding(
+                &p / "word_embeddings",
+                c.vocab_size,
+                c.hidden_size,
+                c.initializer_range,
+                pad,
+            ),
+            position: embedding(
+                &p / "position_embeddings",
+                c.max_position_embeddings,
+                c.hidden_size,
+                c.initializer_range,
+                if roberta { pad } else { None },
+            ),
+            token_type: embedding(
+                &p / "token_type_embeddings",
+                c.type_vocab_size,
+                c.hidden_size,
+                c.initializer_range,
+                None,
+            ),
+            norm: layer_norm(&p / "LayerNorm", c.hidden_size, c.layer_norm_eps),
+            dropout: c.hidden_dropout_prob,
+            roberta_padding_idx: roberta.then_some(c.pad_token_id),
+        }
+    }
+
+    fn forward_t(&self, input_ids: &Tensor, train: bool) -> Tensor {
+        let (b, t) = (input_ids.size()[0], input_ids.size()[1]);
+        let positions = match self.roberta_padding_idx {
+            // `create_position_ids_from_input_ids`
+            Some(pad) => {
+                let real = input_ids.ne(pad).to_kind(tch::Kind::Int64);
+                real.cumsum(1, tch::Kind::Int64) * &real + pad
+            }
+            None => Tensor::arange(t, (tch::Kind::Int64, input_ids.device()))
+                .unsqueeze(0)
+                .expand([b, t], false),
+        };
+        let types = input_ids.zeros_like();
+        let x = self.word.forward(input_ids)
+            + self.token_type.forward(&types)
+            + self.position.forward(&positions);
+        self.norm.forward(&x).dropout(self.dropout, train)
+    }
+}
+
+/// `BertLayer`: self-attention + feed-forward, each with residual and LayerNorm.
+struct Layer {
+    query: nn::Linear,
+    key: nn::Linear,
+    value: nn::Linear,
+    attn_out: nn::Linear,
+    attn_norm: nn::LayerNorm,
+    intermediate: nn::Linear,
+    output: nn::Linear,
+    out_norm: nn::LayerNorm,
+    heads: i64,
+    act: String,
+    dropout: f64,
+    attn_dropout: f64,
+}
+
+impl Layer {
+    fn new(p: nn::Path, c: &Config) -> Self {
+        let (h, std) = (c.hidden_size, c.initializer_range);
+        let attn = &p / "attention";
+        Self {
+            query: linear(&attn / "self" / "query", h, h, std),
+            key: linear(&attn / "self" / "key", h, h, std),
+            value: linear(&attn / "self" / "value", h, h, std),
+            attn_out: linear(&attn / "output" / "dense", h, h, std),
+            attn_norm: layer_norm(&attn / "output" / "LayerNorm", h, c.layer_norm_eps),
+            intermediate: linear(&p / "intermediate" / "dense", h, c.intermediate_size, std),
+            output: linear(&p / "output" / "dense", c.intermediate_size, h, std),
+            out_norm: layer_norm(&p / "output" / "LayerNorm", h, c.layer_norm_eps),
+            heads: c.num_attention_heads,
+            act: c.hidden_act.clone(),
+            dropout: c.hidden_dropout_prob,
+            attn_dropout: c.attention_probs_dropout_prob,
+        }
+    }
+
+    fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool) -> Tensor {
+        let ctx = attention(
+            &self.query.forward(x),
+            &self.key.forward(x),
+            &self.value.forward(x),
+            bias,
+            self.heads,
+            self.attn_dropout,
+            train,
+        );
+        let x = self
+            .attn_norm
+            .forward(&(self.attn_out.forward(&ctx).dropout(self.dropout, train) + x));
+        let inner = activation(&self.act, &self.intermediate.forward(&x));
+        self.out_norm
+            .forward(&(self.output.forward(&inner).dropout(self.dropout, train) + x))
+    }
+}
+
+/// `BertModel` without its pooler (the heads below own theirs).
+struct Encoder {
+    embeddings: Embeddings,
+    layers: Vec<Layer>,
+}
+
+impl Encoder {
+    fn new(p: &nn::Path, c: &Config, roberta: bool) -> Result<Self> {
+        c.check()?;
+        Ok(Self {
+            embeddings: Embeddings::new(p / "embeddings", c, roberta),
+            layers: (0..c.num_hidden_layers)
+                .map(|i| Layer::new(p / "encoder" / "layer" / i, c))
+                .collect(),
+        })
+    }
+
+    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+        let mut x = self.embeddings.forward_t(input_ids, train);
+        let bias = attention_bias(attention_mask, x.kind());
+        for layer in &self.layers {
+            x = layer.forward_t(&x, &bias, train);
+        }
+        x
+    }
+}
+
+/// `BertForSequenceClassification`: pooler (dense + tanh on `[CLS]`), dropout, classifier.
+pub(crate) struct BertClassifier {
+    encoder: Encoder,
+    pooler: nn::Linear,
+    classifier: nn::Linear,
+    dropout: f64,
+}
+
+impl BertClassifier {
+    pub(crate) fn new(p: &nn::Path, c: &Config, num_labels: i64) -> Result<Self> {
+        let bert = p / "bert";
+        let std = c.initializer_range;
+        Ok(Self {
+            encoder: Encoder::new(&bert, c, false)?,
+            pooler: linear(
+                &bert / "pooler" / "dense",
+                c.hidden_size,
+                c.hidden_size,
+                std,
+            ),
+            classifier: linear(p / "classifier", c.hidden_size, num_labels, std),
+            dropout: c.classifier_dropout.unwrap_or(c.hidden_dropout_prob),
+        })
+    }
+}
+
+impl Classifier for BertClassifier {
+    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+        let x = self.encoder.forward_t(input_ids, attention_mask, train);
+        let pooled = self.pooler.forward(&x.select(1, 0)).tanh();
+        self.classifier
+            .forward(&pooled.dropout(self.dropout, train))
+            .to_kind(tch::Kind::Float)
+    }
+}
+
+/// `RobertaForSequenceClassification`: `RobertaClassificationHead` on `<s>`, no pooler.
+pub(crate) struct RobertaClassifier {
+    encoder: Encoder,
+    dense: nn::Linear,
+    out_proj: nn::Linear,
+    dropout: f64,
+}
+
+impl RobertaClassifier {
+    pub(crate) fn new(p: &nn::Path, c: &Config, num_labels: i64) -> Result<Self> {
+        let head = p / "classifier";
+        let std = c.initializer_range;
+        Ok(Self {
+            encoder: Encoder::new(&(p / "roberta"), c, true)?,
+            dense: linear(&head / "dense", c.hidden_size, c.hidden_size, std),
+            out_proj: linear(&head / "out_proj", c.hidden_size, num_labels, std),
+            dropout: c.classifier_dropout.unwrap_or(c.hidden_dropout_prob),
+        })
+    }
+}
+
+impl Classifier for RobertaClassifier {
+    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+        let x = self.encoder.forward_t(input_ids, attention_mask, train);
+        let x = x.select(1, 0).dropout(self.dropout, train);
+        let x = self.dense.forward(&x).tanh().dropout(self.dropout, train);
+        self.out_proj.forward(&x).to_kind(tch::Kind::Float)
+    }
+}

@@ -1,0 +1,200 @@
+//! DistilBERT: BERT without token types or pooler, with its own weight names and head.
+//!
+//! Follows transformers 5.23 `models/distilbert/modeling_distilbert.py`; variable paths are
+//! HF's weight names.
+
+use serde::Deserialize;
+use tch::Tensor;
+use tch::nn::{self, Module};
+
+use super::{Classifier, activation, attention, attention_bias, embedding, layer_norm, linear};
+use crate::error::{Error, Result};
+
+/// DistilBERT's LayerNorms use a fixed epsilon, not a config field.
+const EPS: f64 = 1e-12;
+
+/// `DistilBertConfig`: the fields the forward pass reads.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct Config {
+    pub vocab_size: i64,
+    #[serde(default = "dim")]
+    pub dim: i64,
+    #[serde(default = "n_layers")]
+    pub n_layers: i64,
+    #[serde(default = "n_heads")]
+    pub n_heads: i64,
+    #[serde(default = "hidden_dim")]
+    pub hidden_dim: i64,
+    #[serde(default = "dropout")]
+    pub dropout: f64,
+    #[serde(default = "dropout")]
+    pub attention_dropout: f64,
+    #[serde(default = "gelu")]
+    pub activation: String,
+    #[serde(default = "max_positions")]
+    pub max_position_embeddings: i64,
+    #[serde(default = "init_range")]
+    pub initializer_range: f64,
+    #[serde(default = "seq_classif_dropout")]
+    pub seq_classif_dropout: f64,
+    #[serde(default)]
+    pub pad_token_id: i64,
+}
+
+fn dim() -> i64 {
+    768
+}
+fn n_layers() -> i64 {
+    6
+}
+fn n_heads() -> i64 {
+    12
+}
+fn hidden_dim() -> i64 {
+    3072
+}
+fn dropout() -> f64 {
+    0.1
+}
+fn gelu() -> String {
+    "gelu".into()
+}
+fn max_positions() -> i64 {
+    512
+}
+fn init_range() -> f64 {
+    0.02
+}
+fn seq_classif_dropout() -> f64 {
+    0.2
+}
+
+/// `TransformerBlock`.
+struct Block {
+    q: nn::Linear,
+    k: nn::Linear,
+    v: nn::Linear,
+    out: nn::Linear,
+    sa_norm: nn::LayerNorm,
+    lin1: nn::Linear,
+    lin2: nn::Linear,
+    out_norm: nn::LayerNorm,
+    heads: i64,
+    act: String,
+    dropout: f64,
+    attn_dropout: f64,
+}
+
+impl Block {
+    fn new(p: nn::Path, c: &Config) -> Self {
+        let (d, std) = (c.dim, c.initializer_range);
+        let a = &p / "attention";
+        Self {
+            q: linear(&a / "q_lin", d, d, std),
+            k: linear(&a / "k_lin", d, d, std),
+            v: linear(&a / "v_lin", d, d, std),
+            out: linear(&a / "out_lin", d, d, std),
+            sa_norm: layer_norm(&p / "sa_layer_norm", d, EPS),
+            lin1: linear(&p / "ffn" / "lin1", d, c.hidden_dim, std),
+            lin2: linear(&p / "ffn" / "lin2", c.hidden_dim, d, std),
+            out_norm: layer_norm(&p / "output_layer_norm", d, EPS),
+            heads: c.n_heads,
+            act: c.activation.clone(),
+            dropout: c.dropout,
+            attn_dropout: c.attention_dropout,
+        }
+    }
+
+    fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool) -> Tensor {
+        let ctx = attention(
+            &self.q.forward(x),
+            &self.k.forward(x),
+            &self.v.forward(x),
+            bias,
+            self.heads,
+            self.attn_dropout,
+            train,
+        );
+        let x = self.sa_norm.forward(&(self.out.forward(&ctx) + x));
+        let ffn = self
+            .lin2
+            .forward(&activation(&self.act, &self.lin1.forward(&x)))
+            .dropout(self.dropout, train);
+        self.out_norm.forward(&(ffn + x))
+    }
+}
+
+/// `DistilBertForSequenceClassification`: `[CLS]` → pre_classifier → ReLU → dropout →
+/// classifier.
+pub(crate) struct DistilBertClassifier {
+    word: nn::Embedding,
+    position: nn::Embedding,
+    norm: nn::LayerNorm,
+    blocks: Vec<Block>,
+    pre_classifier: nn::Linear,
+    classifier: nn::Linear,
+    dropout: f64,
+    head_dropout: f64,
+}
+
+impl DistilBertClassifier {
+    pub(crate) fn new(p: &nn::Path, c: &Config, num_labels: i64) -> Result<Self> {
+        if !super::ACTIVATIONS.contains(&c.activation.as_str()) {
+            return Err(Error::Model(format!(
+                "activation `{}` is not supported; lakeml implements {}",
+                c.activation,
+                super::ACTIVATIONS.join(", ")
+            )));
+        }
+        if c.dim % c.n_heads != 0 {
+            return Err(Error::Model(format!(
+                "dim {} is not a multiple of n_heads {}",
+                c.dim, c.n_heads
+            )));
+        }
+        let base = p / "distilbert";
+        let emb = &base / "embeddings";
+        let std = c.initializer_range;
+        Ok(Self {
+            word: embedding(
+                &emb / "word_embeddings",
+                c.vocab_size,
+                c.dim,
+                std,
+                Some(c.pad_token_id),
+            ),
+            position: embedding(
+                &emb / "position_embeddings",
+                c.max_position_embeddings,
+                c.dim,
+                std,
+                None,
+            ),
+            norm: layer_norm(&emb / "LayerNorm", c.dim, EPS),
+            blocks: (0..c.n_layers)
+                .map(|i| Block::new(&base / "transformer" / "layer" / i, c))
+                .collect(),
+            pre_classifier: linear(p / "pre_classifier", c.dim, c.dim, std),
+            classifier: linear(p / "classifier", c.dim, num_labels, std),
+            dropout: c.dropout,
+            head_dropout: c.seq_classif_dropout,
+        })
+    }
+}
+
+impl Classifier for DistilBertClassifier {
+    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+        let t = input_ids.size()[1];
+        let positions = Tensor::arange(t, (tch::Kind::Int64, input_ids.device())).unsqueeze(0);
+        let x = self.word.forward(input_ids) + self.position.forward(&positions);
+        let mut x = self.norm.forward(&x).dropout(self.dropout, train);
+        let bias = attention_bias(attention_mask, x.kind());
+        for block in &self.blocks {
+            x = block.forward_t(&x, &bias, train);
+        }
+        let pooled = self.pre_classifier.forward(&x.select(1, 0)).relu();
+        self.classifier
+            .forward(&pooled.dropout(self.head_dropout, train))
+            .to_kind(tch::Kind::Float)
+    }
+}

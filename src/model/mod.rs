@@ -1,0 +1,189 @@
+//! BERT-family sequence classifiers in tch, loaded from (and saved as) HF model directories.
+//!
+//! Each architecture lives in its own file, mirrors its `modeling_*.py` block by block, and
+//! names its variables exactly as the HF `*ForSequenceClassification` checkpoint does, so
+//! weights load by name (see [`weights`]).
+
+mod bert;
+mod config;
+mod deberta;
+mod distilbert;
+#[cfg(test)]
+mod tests;
+mod weights;
+
+use std::path::Path;
+
+use tch::{Device, Tensor, nn};
+
+pub(crate) use config::{Arch, ModelConfig};
+
+use crate::error::{Error, Result};
+
+/// A classifier with its weights: the network, the VarStore that owns its variables, and the
+/// config it was built from.
+pub(crate) struct Model {
+    pub vs: nn::VarStore,
+    pub net: Box<dyn Classifier>,
+    pub config: ModelConfig,
+    /// Variables the checkpoint lacked, which start from HF's initialisation (a new head).
+    pub fresh: Vec<String>,
+}
+
+impl Model {
+    /// Loads an HF model directory (`config.json` + safetensors) with a classification head
+    /// of `num_labels` classes on `device`.
+    pub(crate) fn load(dir: &Path, num_labels: i64, device: Device) -> Result<Self> {
+        let config = ModelConfig::load(dir)?;
+        let vs = nn::VarStore::new(device);
+        let net = build(&vs.root(), &config.arch, num_labels)?;
+        let loaded = weights::load(&vs, dir, config.arch.prefix())?;
+        Ok(Self {
+            vs,
+            net,
+            config,
+            fresh: loaded.fresh,
+        })
+    }
+
+    /// Writes the weights as `model.safetensors` into `dir`.
+    pub(crate) fn save_weights(&self, dir: &Path) -> Result<()> {
+        weights::save(&self.vs, &dir.join("model.safetensors"))
+    }
+}
+
+fn build(p: &nn::Path, arch: &Arch, num_labels: i64) -> Result<Box<dyn Classifier>> {
+    if num_labels < 2 {
+        return Err(Error::Model(format!(
+            "a classifier needs at least 2 classes, got {num_labels}"
+        )));
+    }
+    Ok(match arch {
+        Arch::Bert(c) => Box::new(bert::BertClassifier::new(p, c, num_labels)?),
+        Arch::Roberta(c) => Box::new(bert::RobertaClassifier::new(p, c, num_labels)?),
+        Arch::DistilBert(c) => Box::new(distilbert::DistilBertClassifier::new(p, c, num_labels)?),
+        Arch::DebertaV2(c) => Box::new(deberta::DebertaV2ForSequenceClassification::new(
+            p, c, num_labels,
+        )?),
+    })
+}
+
+/// A sequence classifier: token ids in, logits out.
+pub(crate) trait Classifier: Send {
+    /// Logits `[batch, num_labels]` (fp32) for `input_ids` `[batch, seq]` (int64) whose real
+    /// tokens are marked by `attention_mask` `[batch, seq]` (int64, 1 = token, 0 = padding).
+    /// `train` switches dropout on.
+    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor;
+}
+
+/// An additive attention bias `[batch, 1, 1, seq]` from a `[batch, seq]` 0/1 mask: 0 where a
+/// token may be attended to, the dtype's lowest value where it is padding (as HF does).
+pub(crate) fn attention_bias(attention_mask: &Tensor, kind: tch::Kind) -> Tensor {
+    let keep = attention_mask.to_kind(kind).unsqueeze(1).unsqueeze(1);
+    let min = match kind {
+        tch::Kind::BFloat16 => -3.389_531_4e38,
+        tch::Kind::Half => -65504.0,
+        _ => f64::from(f32::MIN),
+    };
+    (keep.ones_like() - keep) * min
+}
+
+/// The `hidden_act` values [`activation`] implements.
+pub(crate) const ACTIVATIONS: &[&str] = &[
+    "gelu",
+    "gelu_new",
+    "gelu_pytorch_tanh",
+    "gelu_fast",
+    "relu",
+    "tanh",
+];
+
+/// HF's `ACT2FN` for the activations these models use.
+pub(crate) fn activation(name: &str, x: &Tensor) -> Tensor {
+    match name {
+        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => x.gelu("tanh"),
+        "relu" => x.relu(),
+        "tanh" => x.tanh(),
+        // "gelu" (exact, erf-based); configs are checked against ACTIVATIONS.
+        _ => x.gelu("none"),
+    }
+}
+
+/// `nn::Linear` initialised as HF does (normal(0, std) weights, zero bias); the init only
+/// matters for weights the checkpoint lacks, such as a fresh classification head.
+pub(crate) fn linear(p: tch::nn::Path, input: i64, output: i64, std: f64) -> tch::nn::Linear {
+    tch::nn::linear(
+        p,
+        input,
+        output,
+        tch::nn::LinearConfig {
+            ws_init: tch::nn::Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+            bs_init: Some(tch::nn::Init::Const(0.0)),
+            bias: true,
+        },
+    )
+}
+
+pub(crate) fn layer_norm(p: tch::nn::Path, dim: i64, eps: f64) -> tch::nn::LayerNorm {
+    tch::nn::layer_norm(
+        p,
+        vec![dim],
+        tch::nn::LayerNormConfig {
+            eps,
+            ..Default::default()
+        },
+    )
+}
+
+/// `nn::Embedding`; rows at `padding_idx` (if any) get no gradient, as in PyTorch.
+pub(crate) fn embedding(
+    p: tch::nn::Path,
+    rows: i64,
+    dim: i64,
+    std: f64,
+    padding_idx: Option<i64>,
+) -> tch::nn::Embedding {
+    tch::nn::embedding(
+        p,
+        rows,
+        dim,
+        tch::nn::EmbeddingConfig {
+            ws_init: tch::nn::Init::Randn {
+                mean: 0.0,
+                stdev: std,
+            },
+            padding_idx: padding_idx.unwrap_or(-1),
+            ..Default::default()
+        },
+    )
+}
+
+/// Multi-head scaled dot-product attention over `[batch, seq, hidden]` projections, with an
+/// additive `bias` `[batch, 1, 1, seq]`; returns `[batch, seq, hidden]`.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    heads: i64,
+    dropout: f64,
+    train: bool,
+) -> Tensor {
+    let size = q.size();
+    let (b, t, hidden) = (size[0], size[1], size[2]);
+    let split = |x: &Tensor| x.view([b, t, heads, hidden / heads]).transpose(1, 2);
+    let ctx = Tensor::scaled_dot_product_attention(
+        &split(q),
+        &split(k),
+        &split(v),
+        Some(bias),
+        if train { dropout } else { 0.0 },
+        false,
+        None,
+        false,
+    );
+    ctx.transpose(1, 2).reshape([b, t, hidden])
+}
