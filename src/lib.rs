@@ -25,6 +25,8 @@ mod report;
 mod runtime;
 mod stages;
 mod tokenize;
+mod track;
+mod train;
 
 pub use error::{Error, Result};
 pub use plan::Pipeline;

@@ -20,6 +20,18 @@ pub struct StageReport {
     pub seconds: f64,
     /// Rows skipped or changed, by reason (e.g. `truncated`, `skipped_null`).
     pub rows_by_outcome: BTreeMap<String, u64>,
+    /// Training: throughput, final and test metrics (`test_accuracy`, `samples_per_second`, ...).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics: BTreeMap<String, f64>,
+    /// Training: the step a killed run was resumed from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<u64>,
+    /// Training: stopped by early stopping.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped_early: bool,
+    /// Training: the fingerprint of inputs and settings (a matching rerun is skipped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
 }
 
 impl StageReport {
@@ -44,8 +56,58 @@ fn thousands(n: u64) -> String {
     out
 }
 
+impl StageReport {
+    /// A train stage's summary: where the model went, throughput, and the test metrics.
+    fn fmt_train(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = |k: &str| self.metrics.get(k).copied().unwrap_or(f64::NAN);
+        if self.cached {
+            write!(
+                f,
+                "train {} -> {}: up to date, skipped",
+                self.stage, self.table
+            )?;
+        } else {
+            write!(
+                f,
+                "train {} -> {}: {} steps on {} rows in {:.1} s ({:.1} samples/s, {} tokens/s, \
+                 padding {:.1}%)",
+                self.stage,
+                self.table,
+                m("steps"),
+                thousands(self.rows_in),
+                self.seconds,
+                m("samples_per_second"),
+                thousands(m("tokens_per_second") as u64),
+                100.0 * m("padding_ratio"),
+            )?;
+            if let Some(step) = self.resumed_from {
+                write!(f, "; resumed from step {step}")?;
+            }
+            if self.stopped_early {
+                write!(f, "; stopped early")?;
+            }
+        }
+        if self.metrics.contains_key("test_accuracy") {
+            write!(
+                f,
+                "\n  test: accuracy {:.4}, f1_macro {:.4}, precision_macro {:.4}, recall_macro \
+                 {:.4}, loss {:.4}",
+                m("test_accuracy"),
+                m("test_f1_macro"),
+                m("test_precision_macro"),
+                m("test_recall_macro"),
+                m("test_loss")
+            )?;
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for StageReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.kind == "train" {
+            return self.fmt_train(f);
+        }
         let version = self.version.map(|v| format!(" v{v}")).unwrap_or_default();
         if self.cached {
             return write!(

@@ -64,22 +64,26 @@ pub(crate) enum Compression {
 pub(crate) struct StageSpec {
     pub write: Option<WriteSpec>,
     pub tokenize: Option<TokenizeSpec>,
+    pub train: Option<Box<TrainSpec>>,
 }
 
 /// A stage by kind, once checked that exactly one kind is given.
 pub(crate) enum StageKind {
     Write(WriteSpec),
     Tokenize(TokenizeSpec),
+    Train(Box<TrainSpec>),
 }
 
 impl StageSpec {
     pub(crate) fn kind(self) -> Result<StageKind, String> {
-        match (self.write, self.tokenize) {
-            (Some(w), None) => Ok(StageKind::Write(w)),
-            (None, Some(t)) => Ok(StageKind::Tokenize(t)),
-            _ => {
-                Err("a stage is a map with exactly one key, its kind: `write` or `tokenize`".into())
-            }
+        match (self.write, self.tokenize, self.train) {
+            (Some(w), None, None) => Ok(StageKind::Write(w)),
+            (None, Some(t), None) => Ok(StageKind::Tokenize(t)),
+            (None, None, Some(t)) => Ok(StageKind::Train(t)),
+            _ => Err(
+                "a stage is a map with exactly one key, its kind: `write`, `tokenize` or `train`"
+                    .into(),
+            ),
         }
     }
 }
@@ -163,6 +167,210 @@ pub(crate) struct TokenizeSpec {
     /// Rows per batch read from the source and written to the table.
     #[serde(default = "default_batch_rows")]
     pub batch_rows: usize,
+}
+
+/// `train`: fine-tune a model on a tokenized table; writes an HF model directory.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TrainSpec {
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub source: Source,
+    /// The HF model directory to start from (config.json, safetensors, tokenizer.json).
+    pub model: String,
+    /// The run directory: `model/` (the result), `checkpoints/`, `metrics.jsonl`,
+    /// `tensorboard/`.
+    pub output: String,
+    /// Column naming each row's split (`train`, `validation`, `test`).
+    #[serde(default = "default_split")]
+    pub split: String,
+    /// Class names by label id; default: those the tokenize stage recorded, else the ids.
+    pub labels: Option<Vec<String>>,
+    /// `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Default: fp32 on CPU, bf16 on CUDA.
+    pub precision: Option<Precision>,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    #[serde(default = "default_epochs")]
+    pub epochs: u64,
+    /// Stop after this many optimizer steps (overrides `epochs`).
+    pub max_steps: Option<u64>,
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    /// Rows per batch when evaluating and testing.
+    pub eval_batch_size: Option<usize>,
+    /// Micro-batches whose gradients add up to one optimizer step.
+    #[serde(default = "default_one")]
+    pub grad_accum: usize,
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    #[serde(default)]
+    pub weight_decay: f64,
+    #[serde(default = "default_beta1")]
+    pub adam_beta1: f64,
+    #[serde(default = "default_beta2")]
+    pub adam_beta2: f64,
+    #[serde(default = "default_adam_eps")]
+    pub adam_eps: f64,
+    #[serde(default)]
+    pub schedule: Schedule,
+    pub warmup_steps: Option<u64>,
+    pub warmup_ratio: Option<f64>,
+    /// Clip the global gradient norm to this; `0` turns clipping off.
+    #[serde(default = "default_one_f")]
+    pub max_grad_norm: f64,
+    /// Batch rows of similar length together (less padding).
+    #[serde(default = "yes")]
+    pub group_by_length: bool,
+    /// Batches prepared ahead on the loader thread.
+    #[serde(default = "default_prefetch")]
+    pub prefetch: usize,
+    /// Data-parallel sharding: this process reads every `world`-th batch from `rank`.
+    #[serde(default)]
+    pub rank: usize,
+    #[serde(default = "default_one")]
+    pub world: usize,
+    /// Evaluate on the validation split: `epoch`, a number of steps, or `none`.
+    #[serde(default = "default_every")]
+    pub eval_every: Every,
+    /// Save a checkpoint: `epoch`, a number of steps, or `none`.
+    #[serde(default = "default_every")]
+    pub checkpoint_every: Every,
+    /// Checkpoints kept besides the best one.
+    #[serde(default = "default_keep")]
+    pub keep_checkpoints: usize,
+    /// The validation metric that picks the best model (`loss`, `accuracy`, `f1_macro`, ...).
+    #[serde(default = "default_best_metric")]
+    pub best_metric: String,
+    /// Save the best model (by `best_metric`) or the final one.
+    #[serde(default)]
+    pub save: SaveWhich,
+    pub early_stopping: Option<EarlyStoppingSpec>,
+    /// Log training loss and throughput every this many steps.
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+    /// Intra-op threads for libtorch (default: all cores).
+    pub threads: Option<usize>,
+    #[serde(default)]
+    pub tracking: TrackingSpec,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Precision {
+    Fp32,
+    Bf16,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Schedule {
+    #[default]
+    Linear,
+    Cosine,
+    Constant,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum SaveWhich {
+    #[default]
+    Best,
+    Final,
+}
+
+/// `epoch`, `none`, or a number of optimizer steps.
+#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub(crate) enum Every {
+    Steps(u64),
+    Word(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct EarlyStoppingSpec {
+    /// A validation metric: `loss`, `accuracy`, `precision_macro`, `f1_weighted`, ...
+    pub metric: String,
+    /// Evaluations without improvement before training stops.
+    #[serde(default = "default_patience")]
+    pub patience: u32,
+    /// Smallest change that counts as an improvement.
+    #[serde(default)]
+    pub min_delta: f64,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TrackingSpec {
+    pub mlflow: Option<MlflowSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct MlflowSpec {
+    /// The tracking server, e.g. `http://127.0.0.1:5000`.
+    pub uri: String,
+    #[serde(default = "default_experiment")]
+    pub experiment: String,
+    pub run_name: Option<String>,
+}
+
+fn default_split() -> String {
+    "split".into()
+}
+fn default_device() -> String {
+    "auto".into()
+}
+fn default_seed() -> u64 {
+    42
+}
+fn default_epochs() -> u64 {
+    3
+}
+fn default_batch_size() -> usize {
+    32
+}
+fn default_one() -> usize {
+    1
+}
+fn default_one_f() -> f64 {
+    1.0
+}
+fn default_lr() -> f64 {
+    5e-5
+}
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.999
+}
+fn default_adam_eps() -> f64 {
+    1e-8
+}
+fn default_prefetch() -> usize {
+    4
+}
+fn default_every() -> Every {
+    Every::Word("epoch".into())
+}
+fn default_keep() -> usize {
+    2
+}
+fn default_best_metric() -> String {
+    "loss".into()
+}
+fn default_patience() -> u32 {
+    3
+}
+fn default_log_every() -> u64 {
+    10
+}
+fn default_experiment() -> String {
+    "lakeml".into()
 }
 
 fn default_id() -> String {
@@ -292,6 +500,47 @@ const KNOWN_KEYS: &[&str] = &[
     "on_empty",
     "on_invalid_utf8",
     "batch_rows",
+    "train",
+    "model",
+    "output",
+    "split",
+    "device",
+    "precision",
+    "seed",
+    "epochs",
+    "max_steps",
+    "batch_size",
+    "eval_batch_size",
+    "grad_accum",
+    "lr",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "schedule",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_grad_norm",
+    "group_by_length",
+    "prefetch",
+    "rank",
+    "world",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "best_metric",
+    "save",
+    "early_stopping",
+    "metric",
+    "patience",
+    "min_delta",
+    "log_every",
+    "threads",
+    "tracking",
+    "mlflow",
+    "uri",
+    "experiment",
+    "run_name",
 ];
 
 /// The known word within edit distance 2 of `word`, if any.

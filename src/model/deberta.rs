@@ -122,10 +122,6 @@ impl Config {
         self.max_position_embeddings
     }
 
-    pub(crate) fn initializer_range(&self) -> f64 {
-        self.initializer_range
-    }
-
     /// `pos_att_type` as upstream normalizes it: a string is lower-cased and split on `|`.
     fn pos_att_types(&self) -> Vec<String> {
         match &self.pos_att_type {

@@ -210,7 +210,7 @@ fn missing_fields_take_deberta_v2_config_defaults() {
     assert_eq!(cfg.vocab_size(), 128_100);
     assert_eq!(cfg.max_positions(), 512);
     assert_eq!(cfg.pad_token_id(), 0);
-    assert_eq!(cfg.initializer_range(), 0.02);
+    assert_eq!(cfg.initializer_range, 0.02);
     assert!(!cfg.relative_attention && cfg.position_biased_input);
     assert_eq!(cfg.layer_norm_eps, 1e-7);
     let cfg: Config = serde_json::from_str(r#"{"pad_token_id": null, "hidden_dropout_prob": 0}"#)

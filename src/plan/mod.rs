@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 mod checks;
 mod tables;
+mod train;
 
 use arrow::datatypes::Schema;
 use datafusion::prelude::SessionContext;
@@ -32,6 +33,7 @@ pub struct Pipeline {
 pub(crate) enum Stage {
     Write(WriteStage),
     Tokenize(TokenizeStage),
+    Train(Box<crate::train::TrainStage>),
 }
 
 /// SQL a stage reads, and where it came from (for error messages).
@@ -69,14 +71,16 @@ impl Stage {
         match self {
             Stage::Write(s) => &s.name,
             Stage::Tokenize(s) => &s.name,
+            Stage::Train(s) => &s.name,
         }
     }
 
-    /// The table the stage writes.
-    pub(crate) fn to(&self) -> &str {
+    /// The table the stage writes (a train stage writes a model directory instead).
+    pub(crate) fn to(&self) -> Option<&str> {
         match self {
-            Stage::Write(s) => &s.to,
-            Stage::Tokenize(s) => &s.to,
+            Stage::Write(s) => Some(&s.to),
+            Stage::Tokenize(s) => Some(&s.to),
+            Stage::Train(_) => None,
         }
     }
 }
@@ -215,6 +219,9 @@ impl Pipeline {
                         batch_rows: t.batch_rows,
                     })
                 }
+                StageKind::Train(t) => {
+                    Stage::Train(Box::new(train::train_stage(&base, i, *t).map_err(err)?))
+                }
             };
             if !names.insert(stage.name().to_string()) {
                 return Err(err(format!(
@@ -228,7 +235,7 @@ impl Pipeline {
             return Err(err("`stages` is empty; add at least one stage".into()));
         }
         for def in tables.values() {
-            let written = stages.iter().any(|s| s.to() == def.name);
+            let written = stages.iter().any(|s| s.to() == Some(def.name.as_str()));
             if def.is_delta() && !written && !catalog::delta_exists(&def.path) {
                 return Err(err(format!(
                     "tables.{}: no Delta table at `{}` (no _delta_log) and no stage writes it; \
@@ -301,6 +308,12 @@ impl Pipeline {
                     let out = tokenize::output_schema(&schema, &t.policy)?;
                     catalog::register_planned(ctx, &t.to, out)?;
                 }
+                Stage::Train(t) => {
+                    let schema = plan_schema(ctx, &t.query, &self.tables)
+                        .await
+                        .map_err(err)?;
+                    train::check_train_columns(t, &schema).map_err(err)?;
+                }
             }
         }
         Ok(())
@@ -338,7 +351,7 @@ impl Pipeline {
     }
 }
 
-fn query(base: &Path, s: &Source, field: &str) -> Result<Query, String> {
+pub(super) fn query(base: &Path, s: &Source, field: &str) -> Result<Query, String> {
     match (&s.from, &s.sql, &s.sql_file) {
         (Some(table), None, None) => Ok(Query {
             sql: format!("SELECT * FROM \"{}\"", table.replace('"', "\"\"")),

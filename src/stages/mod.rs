@@ -26,8 +26,8 @@ use crate::report::StageReport;
 #[derive(Debug, Clone, Default)]
 #[must_use]
 pub struct RunOptions {
-    force: bool,
-    progress: bool,
+    pub(crate) force: bool,
+    pub(crate) progress: bool,
 }
 
 impl RunOptions {
@@ -168,7 +168,7 @@ impl Pipeline {
         };
         // Validation left empty planned tables under the stages' output names: put the real
         // ones back (or nothing, for tables a stage will create).
-        let outputs: BTreeSet<&str> = self.stages.iter().map(Stage::to).collect();
+        let outputs: BTreeSet<&str> = self.stages.iter().filter_map(Stage::to).collect();
         for name in outputs {
             if catalog::delta_exists(&self.tables[name].path) {
                 run.refresh(name).await?;
@@ -184,9 +184,12 @@ impl Pipeline {
             let mut report = match stage {
                 Stage::Write(w) => write::run(&run, w).await?,
                 Stage::Tokenize(t) => tokenize::run(&run, t).await?,
+                Stage::Train(t) => crate::train::run(&run, t).await?,
             };
             report.seconds = started.elapsed().as_secs_f64();
-            run.refresh(stage.to()).await?;
+            if let Some(table) = stage.to() {
+                run.refresh(table).await?;
+            }
             reports.push(report);
         }
         Ok(reports)

@@ -5,3 +5,4 @@ mod cli;
 mod common;
 mod real_data;
 mod tokenize;
+mod train;

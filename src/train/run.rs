@@ -1,0 +1,193 @@
+//! The stage around the training thread: read the tokenized table, fingerprint inputs and
+//! settings (an unchanged run is skipped), hand everything to the trainer, report.
+
+use std::path::Path;
+
+use datafusion::prelude::col;
+use serde_json::{Value, json};
+
+use super::TrainStage;
+use super::data::{self, Limits};
+use super::trainer::{self, Job};
+use crate::delta;
+use crate::error::{Error, Result};
+use crate::fingerprint;
+use crate::model::ModelConfig;
+use crate::report::StageReport;
+use crate::stages::Run;
+
+/// Size and modification time of each file of the model directory that shapes the model.
+fn model_identity(dir: &Path) -> Value {
+    let mut files = serde_json::Map::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if let Ok(meta) = entry.metadata()
+                && meta.is_file()
+            {
+                let mtime = meta
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_nanos().to_string());
+                files.insert(name, json!([meta.len(), mtime]));
+            }
+        }
+    }
+    Value::Object(files)
+}
+
+/// Class names recorded by the tokenize stage that wrote one of `tables`, if any.
+async fn recorded_labels(run: &Run<'_>, tables: &[String]) -> Result<Option<Vec<String>>> {
+    for name in tables {
+        let Some(def) = run.pipeline.tables.get(name) else {
+            continue;
+        };
+        let Some(table) = delta::open_target(def).await.ok().flatten() else {
+            continue;
+        };
+        let names = delta::last_commit(&table)
+            .await?
+            .and_then(|c| c.tag)
+            .and_then(|tag| tag.pointer("/extra/labels").cloned())
+            .and_then(|v| serde_json::from_value::<Vec<String>>(v).ok());
+        if names.is_some() {
+            return Ok(names);
+        }
+    }
+    Ok(None)
+}
+
+pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport> {
+    let context = || format!("stage `{}` ({})", stage.name, stage.query.origin);
+    let engine = |e| Error::engine(context(), e);
+    let df = run
+        .ctx
+        .sql(&stage.query.sql)
+        .await
+        .map_err(engine)?
+        .select(vec![
+            col("id"),
+            col("input_ids"),
+            col("label"),
+            col(format!("\"{}\"", stage.split.replace('"', "\"\""))),
+        ])
+        .map_err(engine)?;
+    let inputs = fingerprint::plan_inputs(df.logical_plan(), &run.identities)?;
+    let names = match &stage.labels {
+        Some(names) => Some(names.clone()),
+        None => recorded_labels(run, &inputs.keys().cloned().collect::<Vec<_>>()).await?,
+    };
+    let fingerprint = fingerprint::digest(&json!({
+        "kind": "train",
+        "sql": stage.query.sql,
+        "inputs": inputs,
+        "split": stage.split,
+        "labels": names,
+        "model": model_identity(&stage.model),
+        "device": stage.device_name(),
+        "settings": stage.settings,
+    }));
+    let mut report = StageReport {
+        stage: stage.name.clone(),
+        kind: "train".into(),
+        table: stage.output.join("model").display().to_string(),
+        ..Default::default()
+    };
+    let summary_path = stage.output.join("run.json");
+    if !run.options.force
+        && let Ok(text) = std::fs::read_to_string(&summary_path)
+        && let Ok(done) = serde_json::from_str::<StageReport>(&text)
+        && done.fingerprint.as_deref() == Some(fingerprint.as_str())
+        && stage
+            .output
+            .join("model")
+            .join("model.safetensors")
+            .is_file()
+    {
+        return Ok(StageReport {
+            cached: true,
+            ..done
+        });
+    }
+    if run.options.force {
+        // A forced run starts over instead of resuming.
+        let checkpoints = stage.output.join("checkpoints");
+        if checkpoints.exists() {
+            std::fs::remove_dir_all(&checkpoints)
+                .map_err(|e| Error::io(format!("removing {}", checkpoints.display()), e))?;
+        }
+    }
+
+    let batches = df.collect().await.map_err(engine)?;
+    let config = ModelConfig::load(&stage.model)?;
+    let dataset = data::dataset(
+        &batches,
+        &stage.split,
+        names,
+        &Limits {
+            vocab_size: config.arch.vocab_size(),
+            max_positions: config.arch.max_positions(),
+        },
+    )?;
+    report.rows_in = dataset.train.len() as u64;
+    report.tokens = dataset.train.tokens() as u64;
+    let job = Job::new(stage, dataset, fingerprint.clone(), run.options.progress);
+
+    // libtorch runs on a plain thread of its own: the async runtime is never blocked, and a
+    // libtorch failure (a C++ exception surfaces as a panic in tch) becomes an error here.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("lakeml-train".into())
+        .spawn(move || {
+            let result =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trainer::train(job)))
+                    .unwrap_or_else(|panic| Err(torch_failure(panic.as_ref())));
+            let _ = tx.send(result);
+        })
+        .map_err(|e| Error::io("starting the training thread", e))?;
+    let outcome = rx
+        .await
+        .map_err(|_| Error::Internal("the training thread vanished".into()))?
+        .map_err(|e| {
+            Error::Model(format!(
+                "stage `{}` failed: {e}; {} keeps its previous model (if any), and a rerun \
+                 resumes from the last checkpoint",
+                stage.name,
+                stage.output.display()
+            ))
+        })?;
+
+    report.rows_out = outcome.metrics.get("steps").copied().unwrap_or_default() as u64;
+    report.metrics = outcome.metrics;
+    report.resumed_from = outcome.resumed_from;
+    report.stopped_early = outcome.stopped_early;
+    report.table = outcome.model_dir.display().to_string();
+    report.fingerprint = Some(fingerprint);
+    let text = serde_json::to_string_pretty(&report)
+        .map_err(|e| Error::Internal(format!("run.json: {e}")))?;
+    std::fs::write(&summary_path, text)
+        .map_err(|e| Error::io(format!("writing {}", summary_path.display()), e))?;
+    Ok(report)
+}
+
+/// A libtorch exception, raised as a panic by tch, in words a user can act on.
+fn torch_failure(panic: &(dyn std::any::Any + Send)) -> Error {
+    let msg = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown failure".into());
+    let first = msg.lines().next().unwrap_or_default().to_string();
+    if msg.contains("out of memory")
+        || msg.contains("not enough memory")
+        || msg.contains("can't allocate")
+    {
+        Error::Model(format!(
+            "out of memory: {first}; lower `batch_size` (and raise `grad_accum` to keep the \
+             effective batch), lower `eval_batch_size`, or tokenize with a smaller `max_length`"
+        ))
+    } else {
+        Error::Model(format!("libtorch failed: {first}"))
+    }
+}

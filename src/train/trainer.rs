@@ -1,0 +1,509 @@
+//! The training loop, on its own thread: model, optimizer, schedule, evaluation, early
+//! stopping, checkpoints and resume, then the test split and the saved model.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use tch::Kind;
+
+use super::checkpoint::{self, LoopState};
+use super::data::{Dataset, Split};
+use super::loader::{self, Order, Prefetch};
+use super::metrics::{self, Metrics};
+use super::optim::{self, AdamW, AdamWConfig};
+use super::{Every, TrainSettings, TrainStage};
+use crate::config::{Precision, SaveWhich};
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::track::{MlflowSettings, Tracker};
+
+/// What a finished run reports.
+pub(crate) struct Outcome {
+    pub metrics: Metrics,
+    pub model_dir: PathBuf,
+    pub resumed_from: Option<u64>,
+    pub stopped_early: bool,
+}
+
+/// Everything the training thread needs, owned.
+pub(crate) struct Job {
+    pub model_dir: PathBuf,
+    pub output: PathBuf,
+    pub device: tch::Device,
+    pub mlflow: Option<MlflowSettings>,
+    pub settings: TrainSettings,
+    pub data: Dataset,
+    pub fingerprint: String,
+    pub progress: bool,
+}
+
+impl Job {
+    pub(crate) fn new(
+        stage: &TrainStage,
+        data: Dataset,
+        fingerprint: String,
+        progress: bool,
+    ) -> Self {
+        Self {
+            model_dir: stage.model.clone(),
+            output: stage.output.clone(),
+            device: stage.device,
+            mlflow: stage.mlflow.as_ref().map(|m| MlflowSettings {
+                uri: m.uri.clone(),
+                experiment: m.experiment.clone(),
+                run_name: m.run_name.clone(),
+            }),
+            settings: stage.settings.clone(),
+            data,
+            fingerprint,
+            progress,
+        }
+    }
+}
+
+/// The seed of micro-batch `n`: dropout masks depend only on (seed, n), so a resumed run
+/// draws exactly the masks the uninterrupted run would have.
+fn batch_seed(seed: u64, n: u64) -> i64 {
+    (seed.wrapping_mul(0x9E37_79B9).wrapping_add(n) & 0x7FFF_FFFF_FFFF) as i64
+}
+
+/// Mean loss, predictions and metrics of `model` over `split`, in eval mode.
+fn evaluate(
+    model: &Model,
+    split: &Split,
+    batch_size: usize,
+    pad_id: i64,
+    classes: usize,
+) -> Metrics {
+    let _guard = tch::no_grad_guard();
+    let device = model.vs.device();
+    let mut loss_sum = 0.0;
+    let mut predicted = vec![0i64; split.len()];
+    for rows in loader::eval_batches(split, batch_size) {
+        let b = loader::make_batch(split, &rows, pad_id);
+        let logits = model.net.forward_t(
+            &b.input_ids.to_device(device),
+            &b.attention_mask.to_device(device),
+            false,
+        );
+        let labels = b.labels.to_device(device);
+        loss_sum += logits.cross_entropy_for_logits(&labels).double_value(&[]) * b.rows as f64;
+        let argmax = Vec::<i64>::try_from(logits.argmax(-1, false).to_device(tch::Device::Cpu))
+            .unwrap_or_default();
+        for (row, p) in rows.iter().zip(argmax) {
+            predicted[*row] = p;
+        }
+    }
+    let n = split.len().max(1) as f64;
+    metrics::classification(&split.labels, &predicted, classes, loss_sum / n)
+}
+
+fn due(every: Every, step: u64, end_of_epoch: bool) -> bool {
+    match every {
+        Every::Never => false,
+        Every::Epoch => end_of_epoch,
+        Every::Steps(n) => step.is_multiple_of(n),
+    }
+}
+
+fn prefixed(prefix: &str, m: &Metrics) -> Vec<(String, f64)> {
+    m.iter()
+        .map(|(k, v)| (format!("{prefix}/{k}"), *v))
+        .collect()
+}
+
+fn log(tracker: &mut Tracker, step: u64, values: &[(String, f64)]) -> Result<()> {
+    let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    tracker.scalars(step, &refs)
+}
+
+fn bar(progress: bool, total: u64) -> ProgressBar {
+    if !progress {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{prefix:.bold} [{bar:30}] {pos}/{len} steps {msg} [{elapsed} < {eta}]",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar.set_prefix("train");
+    bar
+}
+
+/// Runs the whole job; called on the training thread.
+pub(crate) fn train(mut job: Job) -> Result<Outcome> {
+    let train = Arc::new(std::mem::take(&mut job.data.train));
+    let s = &job.settings;
+    tch::set_num_threads(s.threads as i32);
+    tch::manual_seed(s.seed as i64);
+    let classes = job.data.labels.len();
+    let mut model = Model::load(&job.model_dir, classes as i64, job.device)?;
+    let pad_id = model.config.arch.pad_token_id();
+    let kind = match s.precision {
+        Precision::Fp32 => Kind::Float,
+        Precision::Bf16 => Kind::BFloat16,
+    };
+    let mut opt = AdamW::new(
+        &model.vs,
+        AdamWConfig {
+            beta1: s.adam_beta1,
+            beta2: s.adam_beta2,
+            eps: s.adam_eps,
+            weight_decay: s.weight_decay,
+        },
+        kind,
+    )?;
+
+    let order = Order {
+        batch_size: s.batch_size,
+        seed: s.seed,
+        group_by_length: s.group_by_length,
+        rank: s.rank,
+        world: s.world,
+    };
+    let micro_per_epoch = loader::epoch_batches(&train, &order, 0).len();
+    if micro_per_epoch == 0 {
+        return Err(Error::Data(format!(
+            "{} training rows make no batch for rank {} of {}",
+            train.len(),
+            s.rank,
+            s.world
+        )));
+    }
+    let steps_per_epoch = micro_per_epoch.div_ceil(s.grad_accum) as u64;
+    let total_steps = s.max_steps.unwrap_or(steps_per_epoch * s.epochs);
+    let warmup = s
+        .warmup_steps
+        .unwrap_or_else(|| (s.warmup_ratio.unwrap_or(0.0) * total_steps as f64).ceil() as u64);
+
+    // Resume from the latest checkpoint of this very configuration, if a run was cut short.
+    let mut state = LoopState {
+        fingerprint: job.fingerprint.clone(),
+        ..LoopState::default()
+    };
+    let mut resumed_from = None;
+    match checkpoint::latest(&job.output, &job.fingerprint)? {
+        Some(restored) => {
+            opt.restore(&restored.tensors, restored.state.global_step)?;
+            state = restored.state;
+            resumed_from = Some(state.global_step);
+        }
+        None => checkpoint::clear(&job.output)?,
+    }
+    let mut tracker = Tracker::open(
+        &job.output,
+        job.mlflow.clone(),
+        state.mlflow_run_id.as_deref(),
+    )?;
+    state.mlflow_run_id = tracker.mlflow_run_id().map(str::to_string);
+    if resumed_from.is_none() {
+        let mut params: Vec<(String, String)> = serde_json::to_value(s)
+            .ok()
+            .and_then(|v| v.as_object().cloned())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.to_string().trim_matches('"').to_string()))
+            .collect();
+        params.push(("model".into(), job.model_dir.display().to_string()));
+        params.push(("model_type".into(), model.config.arch.prefix().into()));
+        params.push(("train_rows".into(), train.len().to_string()));
+        params.push(("parameters".into(), opt.numel().to_string()));
+        params.push(("new_weights".into(), model.fresh.join(",")));
+        params.push(("labels".into(), job.data.labels.join(",")));
+        tracker.params(&params)?;
+    }
+
+    let result = train_loop(
+        &job,
+        &mut model,
+        &mut opt,
+        &mut tracker,
+        &mut state,
+        &train,
+        order,
+        classes,
+        pad_id,
+        total_steps,
+        warmup,
+    );
+    let stopped_early = match result {
+        Ok(stopped) => stopped,
+        Err(e) => {
+            let _ = tracker.finish(false);
+            return Err(e);
+        }
+    };
+
+    // The saved model: the best weights by `best_metric`, or the final ones.
+    if s.save == SaveWhich::Best
+        && let Some(best) = checkpoint::best(&job.output, &job.fingerprint)?
+    {
+        opt.load_weights(&best.to_device(job.device));
+    }
+    let mut outcome_metrics = Metrics::new();
+    let eval_bs = s.eval_batch_size;
+    if !job.data.test.is_empty() {
+        let test = evaluate(&model, &job.data.test, eval_bs, pad_id, classes);
+        log(&mut tracker, state.global_step, &prefixed("test", &test))?;
+        outcome_metrics.extend(test.into_iter().map(|(k, v)| (format!("test_{k}"), v)));
+    }
+    let model_dir = save_model(&job, &model)?;
+    tracker.artifacts(&model_dir, "model")?;
+    tracker.finish(true)?;
+
+    let secs = state.train_seconds.max(1e-9);
+    outcome_metrics.insert("steps".into(), state.global_step as f64);
+    outcome_metrics.insert("train_seconds".into(), state.train_seconds);
+    outcome_metrics.insert("samples_per_second".into(), state.samples as f64 / secs);
+    outcome_metrics.insert("tokens_per_second".into(), state.tokens as f64 / secs);
+    outcome_metrics.insert(
+        "padding_ratio".into(),
+        1.0 - state.tokens as f64 / (state.slots.max(1)) as f64,
+    );
+    if let Some((best, step)) = state.best {
+        outcome_metrics.insert(format!("best_eval_{}", s.best_metric), best);
+        outcome_metrics.insert("best_step".into(), step as f64);
+    }
+    Ok(Outcome {
+        metrics: outcome_metrics,
+        model_dir,
+        resumed_from,
+        stopped_early,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train_loop(
+    job: &Job,
+    model: &mut Model,
+    opt: &mut AdamW,
+    tracker: &mut Tracker,
+    state: &mut LoopState,
+    train: &Arc<Split>,
+    order: Order,
+    classes: usize,
+    pad_id: i64,
+    total_steps: u64,
+    warmup: u64,
+) -> Result<bool> {
+    let s = &job.settings;
+    let device = job.device;
+    let bar = bar(job.progress, total_steps);
+    bar.set_position(state.global_step);
+    let mut window = (Instant::now(), 0u64, 0.0f64, 0u64); // since last log: time, rows, loss sum, micro-batches
+    let mut stopped = false;
+    'epochs: while state.global_step < total_steps {
+        let epoch = state.epoch;
+        let batches = loader::epoch_batches(train, &order, epoch);
+        let micro_total = batches.len();
+        let skip = state.batches_done.min(micro_total);
+        let remaining: Vec<Vec<usize>> = batches.into_iter().skip(skip).collect();
+        let mut micro = skip;
+        let mut in_step = 0usize;
+        let started = Instant::now();
+        let mut acc_seconds = state.train_seconds;
+        for batch in Prefetch::start(train.clone(), remaining, pad_id, s.prefetch) {
+            // Each micro-batch seeds the RNG by its global index (dropout).
+            let global_micro = epoch * micro_total as u64 + micro as u64;
+            tch::manual_seed(batch_seed(s.seed, global_micro));
+            let logits = model.net.forward_t(
+                &batch.input_ids.to_device(device),
+                &batch.attention_mask.to_device(device),
+                true,
+            );
+            let loss = logits.cross_entropy_for_logits(&batch.labels.to_device(device));
+            (&loss / s.grad_accum as f64).backward();
+            micro += 1;
+            in_step += 1;
+            state.samples += batch.rows as u64;
+            state.tokens += batch.tokens as u64;
+            state.slots += batch.slots as u64;
+            window.1 += batch.rows as u64;
+            window.2 += loss.double_value(&[]);
+            window.3 += 1;
+            if in_step < s.grad_accum && micro < micro_total {
+                continue;
+            }
+            // One optimizer step.
+            in_step = 0;
+            let lr = optim::learning_rate(s.schedule, s.lr, warmup, state.global_step, total_steps);
+            let norm = opt.grad_norm()?;
+            if !norm.is_finite() {
+                return Err(Error::Model(format!(
+                    "the gradient norm became {norm} at step {}; lower `lr`, or use fp32",
+                    state.global_step + 1
+                )));
+            }
+            let scale = if s.max_grad_norm > 0.0 && norm > s.max_grad_norm {
+                s.max_grad_norm / (norm + 1e-6)
+            } else {
+                1.0
+            };
+            opt.step(lr, scale)?;
+            opt.zero_grad();
+            state.global_step += 1;
+            state.batches_done = micro;
+            let step = state.global_step;
+            state.train_seconds = acc_seconds + started.elapsed().as_secs_f64();
+            bar.inc(1);
+
+            if step.is_multiple_of(s.log_every) || step == total_steps {
+                let secs = window.0.elapsed().as_secs_f64().max(1e-9);
+                let avg_loss = window.2 / window.3.max(1) as f64;
+                let rate = window.1 as f64 / secs;
+                bar.set_message(format!("loss {avg_loss:.4} · {rate:.0} samples/s"));
+                log(
+                    tracker,
+                    step,
+                    &[
+                        ("train/loss".into(), avg_loss),
+                        ("train/lr".into(), lr),
+                        ("train/grad_norm".into(), norm),
+                        ("train/samples_per_second".into(), rate),
+                        (
+                            "train/epoch".into(),
+                            epoch as f64 + micro as f64 / micro_total as f64,
+                        ),
+                    ],
+                )?;
+                window = (Instant::now(), 0, 0.0, 0);
+            }
+            let end_of_epoch = micro == micro_total;
+            if end_of_epoch {
+                state.epoch += 1;
+                state.batches_done = 0;
+            }
+            let last = step >= total_steps;
+            // Evaluation (every N steps, each epoch end, and at the very end if enabled).
+            let eval_now = !job.data.validation.is_empty()
+                && (due(s.eval_every, step, end_of_epoch)
+                    || (last && s.eval_every != Every::Never));
+            if eval_now {
+                let paused = Instant::now();
+                let m = evaluate(
+                    model,
+                    &job.data.validation,
+                    s.eval_batch_size,
+                    pad_id,
+                    classes,
+                );
+                log(tracker, step, &prefixed("eval", &m))?;
+                tracker.flush()?; // evaluations reach MLflow now, not at the next batch
+                bar.println(format!(
+                    "step {step}: eval loss {:.4} accuracy {:.4} f1_macro {:.4}",
+                    m["loss"], m["accuracy"], m["f1_macro"]
+                ));
+                let value = m[&s.best_metric];
+                let better = |new: f64, old: f64, metric: &str, delta: f64| {
+                    if metrics::higher_is_better(metric) {
+                        new > old + delta
+                    } else {
+                        new < old - delta
+                    }
+                };
+                if state
+                    .best
+                    .is_none_or(|(b, _)| better(value, b, &s.best_metric, 0.0))
+                {
+                    state.best = Some((value, step));
+                    checkpoint::save_best(
+                        &job.output,
+                        opt.weights().to_device(tch::Device::Cpu),
+                        state,
+                    )?;
+                }
+                if let Some(es) = &s.early_stopping {
+                    let v = m[&es.metric];
+                    if state
+                        .stop_best
+                        .is_none_or(|b| better(v, b, &es.metric, es.min_delta))
+                    {
+                        state.stop_best = Some(v);
+                        state.stale_evals = 0;
+                    } else {
+                        state.stale_evals += 1;
+                        if state.stale_evals >= es.patience {
+                            bar.println(format!(
+                                "early stopping at step {step}: eval {} has not improved for {} evaluations",
+                                es.metric, es.patience
+                            ));
+                            stopped = true;
+                        }
+                    }
+                }
+                // Evaluation time is not training time.
+                acc_seconds -= paused.elapsed().as_secs_f64();
+                state.train_seconds = acc_seconds + started.elapsed().as_secs_f64();
+            }
+            if due(s.checkpoint_every, step, end_of_epoch)
+                || (stopped && s.checkpoint_every != Every::Never)
+            {
+                let paused = Instant::now();
+                checkpoint::save(&job.output, &opt.state(), state, s.keep_checkpoints)?;
+                acc_seconds -= paused.elapsed().as_secs_f64();
+                state.train_seconds = acc_seconds + started.elapsed().as_secs_f64();
+            }
+            if stopped || last {
+                break 'epochs;
+            }
+        }
+        if micro < micro_total {
+            return Err(Error::Internal("the data loader stopped early".into()));
+        }
+    }
+    bar.finish_and_clear();
+    Ok(stopped)
+}
+
+/// Writes the HF model directory (`config.json` with the labels, `model.safetensors`,
+/// the tokenizer files) next to `model/`, then renames it into place: a reader sees the old
+/// directory or the complete new one, never a partial one.
+fn save_model(job: &Job, model: &Model) -> Result<PathBuf> {
+    let dest = job.output.join("model");
+    let tmp = job
+        .output
+        .join(format!(".model.tmp-{}", std::process::id()));
+    let io = |p: &Path| {
+        let p = p.to_path_buf();
+        move |e| Error::io(format!("writing the model to {}", p.display()), e)
+    };
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let config = model.config.with_labels(&job.data.labels);
+    let text = serde_json::to_string_pretty(&config)
+        .map_err(|e| Error::Internal(format!("config.json: {e}")))?;
+    std::fs::write(tmp.join("config.json"), text).map_err(io(&tmp))?;
+    model.save_weights(&tmp)?;
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.txt",
+        "vocab.json",
+        "merges.txt",
+        "spm.model",
+    ] {
+        let src = job.model_dir.join(name);
+        if src.is_file() {
+            std::fs::copy(&src, tmp.join(name)).map_err(io(&tmp))?;
+        }
+    }
+    let old = job
+        .output
+        .join(format!(".model.old-{}", std::process::id()));
+    if dest.exists() {
+        std::fs::rename(&dest, &old).map_err(io(&dest))?;
+    }
+    std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(io(&old))?;
+    }
+    Ok(dest)
+}

@@ -1,0 +1,316 @@
+//! The train stage end to end on real data (Rotten Tomatoes, MiniLM): the model it writes
+//! loads in `transformers` and scores the test split as lakeml reported, a killed run
+//! resumes to the weights an uninterrupted one ends with, and bad input is refused clearly.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::common::{Scratch, assets, minilm, python, repo};
+
+/// A pipeline: `rows` real reviews → `reviews` → tokenized (MiniLM, max_length 64) → one
+/// train stage with `settings` (lines indented by six spaces), writing into `run/`.
+fn train_yaml(rows: usize, model: &str, source: &str, settings: &str) -> String {
+    format!(
+        r#"name: t
+tables:
+  rt: {{ csv: {csv} }}
+  reviews: {{ delta: lake/reviews }}
+  tokenized: {{ delta: lake/tokenized }}
+stages:
+  - write:
+      to: reviews
+      sql: |
+        SELECT CAST(row_number() OVER (ORDER BY text, movie_name) AS BIGINT) AS id, text,
+               category AS label,
+               CASE WHEN row_number() OVER (ORDER BY text, movie_name) % 5 = 0 THEN 'validation'
+                    WHEN row_number() OVER (ORDER BY text, movie_name) % 5 = 1 THEN 'test'
+                    ELSE 'train' END AS split
+        FROM rt WHERE category IN ('fresh', 'rotten')
+        ORDER BY text LIMIT {rows}
+  - tokenize:
+      from: reviews
+      tokenizer: {tokenizer}
+      label: label
+      keep: [split]
+      max_length: 64
+      to: tokenized
+  - train:
+{source}
+      model: {model}
+      output: run
+      batch_size: 16
+      lr: 1.0e-4
+      log_every: 2
+{settings}"#,
+        csv = assets()
+            .join("rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2")
+            .display(),
+        tokenizer = minilm().display(),
+    )
+}
+
+fn minilm_yaml(rows: usize, settings: &str) -> String {
+    train_yaml(
+        rows,
+        &minilm().display().to_string(),
+        "      from: tokenized",
+        settings,
+    )
+}
+
+fn report<'a>(reports: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
+    reports
+        .iter()
+        .find(|r| r["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} report in {reports:?}"))
+}
+
+fn failure(s: &Scratch, file: &str) -> (i32, String) {
+    let out = s.pipeline(&["run", "-q", file]);
+    (out.status.code().unwrap_or(-1), s.stderr(&out))
+}
+
+#[test]
+fn trained_model_loads_in_transformers_and_scores_the_test_split_as_lakeml_reported() {
+    let s = Scratch::new();
+    s.write(
+        "p.yaml",
+        &minilm_yaml(
+            320,
+            "      max_steps: 12\n      eval_every: 6\n      checkpoint_every: 4\n      \
+             keep_checkpoints: 2\n      best_metric: accuracy\n",
+        ),
+    );
+    let reports = s.run_ok(&["p.yaml"]);
+    let train = report(&reports, "train");
+    let m = &train["metrics"];
+    assert_eq!(m["steps"], 12.0, "{train}");
+    let run = s.path().join("run");
+    let hf = python(
+        "check_model.py",
+        &[
+            run.join("model").to_str().unwrap(),
+            s.path().join("lake/tokenized").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(
+        hf["id2label"],
+        serde_json::json!({"0": "fresh", "1": "rotten"}),
+        "{hf}"
+    );
+    assert_eq!(
+        hf["label2id"],
+        serde_json::json!({"fresh": 0, "rotten": 1}),
+        "{hf}"
+    );
+    assert_eq!(
+        hf["architectures"],
+        serde_json::json!(["BertForSequenceClassification"])
+    );
+    assert_eq!(hf["rows"], 64.0, "{hf}");
+    // Same weights, same logits: the test loss agrees to float32 noise, accuracy exactly.
+    let (ours, theirs) = (
+        m["test_loss"].as_f64().unwrap_or(f64::NAN),
+        hf["loss"].as_f64().unwrap_or(f64::NAN),
+    );
+    assert!(
+        (ours - theirs).abs() < 1e-4,
+        "test loss: lakeml {ours}, transformers {theirs}"
+    );
+    assert_eq!(m["test_accuracy"], hf["accuracy"], "{m} vs {hf}");
+
+    // Logs: JSON lines with training and eval metrics, TensorBoard events, checkpoints.
+    let jsonl = std::fs::read_to_string(run.join("metrics.jsonl")).expect("metrics.jsonl");
+    assert!(
+        jsonl.contains("\"train/loss\"") && jsonl.contains("\"eval/f1_macro\""),
+        "{jsonl}"
+    );
+    let tb = std::fs::read_dir(run.join("tensorboard"))
+        .expect("tensorboard dir")
+        .count();
+    assert_eq!(tb, 1);
+    let mut checkpoints: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .expect("checkpoints")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    checkpoints.sort();
+    assert_eq!(checkpoints, vec!["best", "step-00000008", "step-00000012"]);
+
+    // Unchanged inputs and settings: the stage is skipped.
+    let again = s.run_ok(&["p.yaml"]);
+    assert_eq!(report(&again, "train")["cached"], true, "{again:?}");
+}
+
+/// Waits until `path` exists, for at most `limit`.
+fn wait_for(path: &std::path::Path, limit: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if path.exists() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+#[test]
+fn a_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_run() {
+    let settings = "      max_steps: 10\n      eval_every: none\n      checkpoint_every: 3\n      \
+                    save: final\n      threads: 1\n";
+    let whole = Scratch::new();
+    whole.write("p.yaml", &minilm_yaml(240, settings));
+    whole.run_ok(&["p.yaml"]);
+
+    let cut = Scratch::new();
+    cut.write("p.yaml", &minilm_yaml(240, settings));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(["run", "-q", "p.yaml"])
+        .current_dir(cut.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let checkpoint = cut.path().join("run/checkpoints/step-00000006/state.json");
+    let reached = wait_for(&checkpoint, Duration::from_secs(300));
+    child.kill().expect("kill -9"); // SIGKILL: no chance to clean up
+    let _ = child.wait();
+    assert!(reached, "the run never wrote its step-6 checkpoint");
+    assert!(
+        !cut.path().join("run/model/model.safetensors").exists(),
+        "killed before the end, yet a model directory looks complete"
+    );
+
+    let reports = cut.run_ok(&["p.yaml"]);
+    let train = report(&reports, "train");
+    let resumed = train["resumed_from"].as_u64().unwrap_or_default();
+    assert!(resumed >= 6, "{train}");
+    let cmp = python(
+        "compare_weights.py",
+        &[
+            whole
+                .path()
+                .join("run/model/model.safetensors")
+                .to_str()
+                .unwrap(),
+            cut.path()
+                .join("run/model/model.safetensors")
+                .to_str()
+                .unwrap(),
+        ],
+    );
+    assert_eq!(cmp["names_equal"], true, "{cmp}");
+    assert_eq!(
+        cmp["max_abs_diff"], 0.0,
+        "resumed from step {resumed}: {cmp}"
+    );
+}
+
+#[test]
+fn null_labels_and_a_single_class_are_refused_and_leave_no_model() {
+    let s = Scratch::new();
+    let null = train_yaml(
+        120,
+        &minilm().display().to_string(),
+        "      sql: SELECT id, input_ids, CASE WHEN id = 7 THEN NULL ELSE label END AS label, split FROM tokenized",
+        "      max_steps: 2\n",
+    );
+    s.write("null.yaml", &null);
+    let (code, err) = failure(&s, "null.yaml");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("row id 7: `label` is null"), "{err}");
+    assert!(!s.path().join("run/model").exists(), "{err}");
+
+    let one = train_yaml(
+        120,
+        &minilm().display().to_string(),
+        "      sql: SELECT * FROM tokenized WHERE label = 0",
+        "      max_steps: 2\n",
+    );
+    s.write("one.yaml", &one);
+    let (code, err) = failure(&s, "one.yaml");
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("only one class (fresh)"), "{err}");
+    assert!(!s.path().join("run/model").exists(), "{err}");
+}
+
+#[test]
+fn a_tokenizer_that_does_not_match_the_model_is_refused() {
+    // The tiny BERT fixture has a 512-token vocabulary; MiniLM's tokenizer goes to 30,521.
+    let s = Scratch::new();
+    let model = s.path().join("tiny");
+    std::fs::create_dir_all(&model).expect("mkdir");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(
+            repo().join("tests/fixtures/models/bert").join(f),
+            model.join(f),
+        )
+        .expect("copy");
+    }
+    std::fs::copy(
+        minilm().join("tokenizer.json"),
+        model.join("tokenizer.json"),
+    )
+    .expect("copy");
+    s.write(
+        "p.yaml",
+        &train_yaml(120, "tiny", "      from: tokenized", "      max_steps: 2\n"),
+    );
+    let (code, err) = failure(&s, "p.yaml");
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("is outside the model's vocabulary (vocab_size 512)")
+            && err.contains("tokenizer that does not match the model"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_model_without_tokenizer_and_cuda_without_a_gpu_fail_validation() {
+    let s = Scratch::new();
+    let fixture = repo().join("tests/fixtures/models/bert");
+    s.write(
+        "p.yaml",
+        &train_yaml(
+            120,
+            &fixture.display().to_string(),
+            "      from: tokenized",
+            "",
+        ),
+    );
+    let (code, err) = failure(&s, "p.yaml");
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("stages[2].train.model") && err.contains("has no tokenizer.json"),
+        "{err}"
+    );
+
+    s.write("cuda.yaml", &minilm_yaml(120, "      device: cuda\n"));
+    let (code, err) = failure(&s, "cuda.yaml");
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(
+            "stages[2].train.device: `cuda` asks for CUDA, but libtorch finds no CUDA GPU"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn early_stopping_stops_when_the_metric_stalls() {
+    // A min_delta no loss change can beat: the second evaluation already counts as stale.
+    let s = Scratch::new();
+    s.write(
+        "p.yaml",
+        &minilm_yaml(
+            240,
+            "      max_steps: 12\n      eval_every: 2\n      checkpoint_every: none\n      \
+             early_stopping: { metric: loss, patience: 1, min_delta: 100.0 }\n",
+        ),
+    );
+    let reports = s.run_ok(&["p.yaml"]);
+    let train = report(&reports, "train");
+    assert_eq!(train["stopped_early"], true, "{train}");
+    assert_eq!(train["metrics"]["steps"], 4.0, "{train}");
+    let jsonl = std::fs::read_to_string(s.path().join("run/metrics.jsonl")).expect("jsonl");
+    assert_eq!(jsonl.matches("\"eval/loss\"").count(), 2, "{jsonl}");
+}
