@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Benchmarks against the HF stack, both sides in the same run: `scripts/bench.sh tokenize`.
+# Benchmarks against the HF stack, both sides in the same run:
+#   scripts/bench.sh tokenize [args]   lakeml tokenize vs datasets.map (benches/bench_tokenize.py)
+#   scripts/bench.sh train [args]      lakeml train vs HF Trainer (benches/bench_train.py;
+#                                      --precision fp32|bf16|both, --repeat N, --limit N, --out FILE)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_venv
 ensure_assets
 ensure_build
-core="$(cd "$LAKEML_ROOT" && cargo_env cargo bench --locked --bench tokenize --no-run \
-  --message-format=json | "$LAKEML_PYTHON" -c 'import json, sys
-exes = [m["executable"] for m in map(json.loads, sys.stdin)
-        if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "tokenize"]
-print(exes[-1])')"
+export LAKEML_BIN
 what="${1:-tokenize}"
 shift || true
 case "$what" in
-  tokenize) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_tokenize.py" --bin "$LAKEML_BIN" --core "$core" "$@" ;;
-  *) echo "unknown benchmark '$what' (known: tokenize)" >&2; exit 2 ;;
+  tokenize)
+    core="$(cd "$LAKEML_ROOT" && cargo_env cargo bench --locked --bench tokenize --no-run \
+      --message-format=json | "$LAKEML_PYTHON" -c 'import json, sys
+exes = [m["executable"] for m in map(json.loads, sys.stdin)
+        if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "tokenize"]
+print(exes[-1])')"
+    exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_tokenize.py" --bin "$LAKEML_BIN" --core "$core" "$@" ;;
+  train) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_train.py" --bin "$LAKEML_BIN" "$@" ;;
+  *) echo "unknown benchmark '$what' (known: tokenize, train)" >&2; exit 2 ;;
 esac

@@ -1,0 +1,338 @@
+"""Fine-tuning benchmark: lakeml's train stage against HF Trainer, both sides in the same run.
+
+Run with `scripts/bench.sh train` (builds lakeml, installs the peers, then calls this);
+`--precision fp32|bf16|both` (default both), `--repeat N` (default 1: a run takes minutes),
+`--limit N` (train on the first N train rows only, for quick checks), `--side hf|lakeml|both`,
+`--out FILE` (a JSON summary).
+
+What is measured: fine-tuning all-MiniLM-L6-v2 plus a new 2-way head on the Rotten Tomatoes
+train split, 1 epoch, batch size 32, lr 5e-5 (AdamW, linear decay, no warmup, no weight
+decay, grad-norm clip 1.0), max_length 128, seed 42, then the accuracy on the test split.
+Per side and precision: samples/s and tokens/s of the training loop (real tokens, not pad
+slots), the padding ratio (pad slots / all slots of the training batches), the process's
+peak RSS and the test accuracy.
+
+Why it is fair:
+- Same input: lakeml makes one tokenized Delta table (benches/pipelines/train_input.yaml,
+  not timed) and both sides read it, so both train on identical token ids, rows and labels.
+- Same work: same hyper-parameters, same seed, one epoch, same precision, and no
+  evaluation or checkpointing inside the timed loop on either side.
+- Same cores: each side runs in its own child process on the same machine, one after the
+  other (interleaved when repeated, the order alternating), with the same intra-op thread
+  count (torch.set_num_threads on HF's side, OMP_NUM_THREADS for both); peak RSS comes
+  from wait4 on that child, so it is per side.
+- HF's best configuration at that precision, not its defaults: Trainer with
+  `train_sampling_strategy="group_by_length"` (length-grouped batches roughly double its
+  speed over random batches) and `DataCollatorWithPadding` (pad to the longest in the
+  batch), `use_cpu=True`, plus `bf16=True` for bf16, its default fused AdamW, and no data
+  loader workers. HF's samples/s is Trainer's own `train_samples_per_second`: its clock
+  starts after the data loader (and the length-grouping sampler) are built, so set-up is
+  not charged to it.
+- lakeml's figures are its train stage's own report (`pipeline run --json`), whose clock
+  likewise covers the training loop only.
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SEED = 42
+BATCH_SIZE = 32
+LR = 5e-5
+RESULT = "BENCH_RESULT "  # prefix of the HF child's result line (Trainer prints logs too)
+
+
+class SideFailed(Exception):
+    pass
+
+
+def run_measured(cmd: list[str], env: dict | None = None) -> dict:
+    """Runs cmd as a child; returns its wall time, its own peak RSS (wait4), exit code and output.
+
+    Output goes to temporary files, not pipes: waiting on a child that fills a pipe
+    would deadlock.
+    """
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=env, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - started
+        out_f.seek(0)
+        err_f.seek(0)
+        out, err = out_f.read(), err_f.read()
+    return {"wall": wall, "rss_mib": usage.ru_maxrss / 1024, "rc": os.waitstatus_to_exitcode(status),
+            "stdout": out, "stderr": err}
+
+
+def tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def stage_reports(stdout: str) -> list[dict]:
+    """`pipeline run --json` output: one JSON report per line, or one JSON array."""
+    try:
+        parsed = json.loads(stdout)
+        return parsed if isinstance(parsed, list) else [parsed]
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]
+
+
+# --- lakeml side -----------------------------------------------------------------------------
+
+def lakeml_side(bin_: str, yaml: str, work: pathlib.Path, precision: str, env: dict) -> dict:
+    """One timed lakeml run: the train stage of benches/pipelines/train.yaml."""
+    shutil.rmtree(work / "run-lakeml", ignore_errors=True)
+    r = run_measured([bin_, "run", "--json", "-q", "--force", yaml], dict(env, LAKEML_PRECISION=precision))
+    if r["rc"] != 0:
+        raise SideFailed(f"lakeml ({precision}): `pipeline run {yaml}` exited {r['rc']}:\n{tail(r['stderr'])}")
+    reports = [x for x in stage_reports(r["stdout"]) if isinstance(x.get("metrics"), dict)]
+    if not reports:
+        raise SideFailed(f"lakeml ({precision}): no stage report with `metrics` in its output:\n{tail(r['stdout'])}")
+    m = reports[-1]["metrics"]
+    missing = [k for k in ("samples_per_second", "tokens_per_second", "padding_ratio", "train_seconds",
+                           "test_accuracy", "steps") if k not in m]
+    if missing:
+        raise SideFailed(f"lakeml ({precision}): train report lacks {missing}: {json.dumps(m)}")
+    return {"side": "lakeml", "precision": precision, "samples_per_s": m["samples_per_second"],
+            "tokens_per_s": m["tokens_per_second"], "padding_ratio": m["padding_ratio"],
+            "train_s": m["train_seconds"], "steps": m["steps"], "test_acc": m["test_accuracy"],
+            "rss_mib": r["rss_mib"], "wall_s": r["wall"], "report": reports[-1]}
+
+
+def check_lakeml(bin_: str, yaml: str, env: dict) -> None:
+    """Fails early and clearly when this build cannot run the train pipeline at all."""
+    r = run_measured([bin_, "validate", yaml], env)
+    if r["rc"] != 0:
+        sys.exit(f"lakeml side: `{bin_} validate {yaml}` failed:\n{tail(r['stderr'] + r['stdout'])}\n"
+                 "If this build has no `train` stage yet, run the HF side alone with `--side hf`.")
+
+
+# --- HF side ---------------------------------------------------------------------------------
+
+def hf_child(table: str, model: str, precision: str, threads: int, out_dir: str) -> None:
+    """Child process: HF Trainer's best configuration on the shared tokenized table."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import datasets
+    import deltalake
+    import numpy as np
+    import pyarrow.compute as pc
+    import transformers
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                              Trainer, TrainingArguments)
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+
+    t = deltalake.DeltaTable(table).to_pyarrow_table().sort_by("id")
+
+    def split(name):
+        part = t.filter(pc.equal(t["split"], name))
+        return datasets.Dataset(part.select(["input_ids", "label"]).rename_columns(["input_ids", "labels"]))
+
+    train, test = split("train"), split("test")
+
+    class CountingCollator:
+        """DataCollatorWithPadding, counting real tokens and pad slots of the training batches."""
+
+        def __init__(self, inner):
+            self.inner, self.counting, self.real, self.slots, self.batches = inner, True, 0, 0, 0
+
+        def __call__(self, features):
+            batch = self.inner(features)
+            if self.counting:
+                mask = batch["attention_mask"]
+                self.real += int(mask.sum())
+                self.slots += mask.numel()
+                self.batches += 1
+            return batch
+
+    tok = AutoTokenizer.from_pretrained(model)
+    collator = CountingCollator(DataCollatorWithPadding(tok))
+    transformers.set_seed(SEED)  # the new head's initialisation
+    net = AutoModelForSequenceClassification.from_pretrained(model, num_labels=2)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=precision == "bf16",
+        per_device_train_batch_size=BATCH_SIZE,
+        per_device_eval_batch_size=64,
+        learning_rate=LR,
+        num_train_epochs=1,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        seed=SEED,
+        data_seed=SEED,
+        train_sampling_strategy="group_by_length",
+        dataloader_num_workers=0,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=net, args=args, train_dataset=train, data_collator=collator, processing_class=tok)
+    started = time.perf_counter()
+    m = trainer.train().metrics
+    loop_wall = time.perf_counter() - started
+    collator.counting = False
+    pred = trainer.predict(test)
+    acc = float((np.argmax(pred.predictions, axis=-1) == pred.label_ids).mean())
+    print(RESULT + json.dumps({
+        "samples_per_s": m["train_samples_per_second"],
+        "tokens_per_s": collator.real / m["train_runtime"],
+        "padding_ratio": (collator.slots - collator.real) / collator.slots,
+        "train_s": m["train_runtime"], "train_call_s": loop_wall, "steps": trainer.state.global_step,
+        "batches": collator.batches, "train_rows": len(train), "test_rows": len(test),
+        "real_tokens": collator.real, "slots": collator.slots, "test_acc": acc,
+        "threads": torch.get_num_threads(), "optim": getattr(args.optim, "value", str(args.optim)),
+        "sampling": args.train_sampling_strategy, "bf16": args.bf16,
+    }), flush=True)
+
+
+def hf_side(table: str, model: str, precision: str, threads: int, work: pathlib.Path, env: dict) -> dict:
+    out_dir = work / "run-hf"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    r = run_measured([sys.executable, __file__, "--hf-child", table, model, precision, str(threads), str(out_dir)], env)
+    lines = [x for x in r["stdout"].splitlines() if x.startswith(RESULT)]
+    if r["rc"] != 0 or not lines:
+        raise SideFailed(f"HF Trainer ({precision}) exited {r['rc']}:\n{tail(r['stderr'] + r['stdout'])}")
+    out = json.loads(lines[-1][len(RESULT):])
+    return {"side": "HF Trainer", "precision": precision, **out, "rss_mib": r["rss_mib"], "wall_s": r["wall"]}
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+def summarize(runs: list[dict], sides: list[str], precisions: list[str], repeat: int) -> dict:
+    keys = ("samples_per_s", "tokens_per_s", "padding_ratio", "rss_mib", "test_acc", "train_s", "wall_s")
+    med = {}
+    for p in precisions:
+        for s in sides:
+            xs = [r for r in runs if r["side"] == s and r["precision"] == p]
+            if xs:
+                med[f"{s}/{p}"] = {k: statistics.median(x[k] for x in xs) for k in keys} | {"runs": len(xs)}
+    print()
+    print(f"Fine-tuning MiniLM-L6 on the Rotten Tomatoes train split, 1 epoch, bs {BATCH_SIZE}; "
+          f"medians of {repeat}")
+    print(f"{'side':12}{'precision':>10}{'samples/s':>11}{'tokens/s':>11}{'padding':>9}"
+          f"{'peak RSS MiB':>14}{'test acc':>10}{'train s':>9}{'wall s':>8}")
+    for p in precisions:
+        for s in sides:
+            m = med.get(f"{s}/{p}")
+            if m:
+                print(f"{s:12}{p:>10}{m['samples_per_s']:11.1f}{m['tokens_per_s']:11,.0f}{m['padding_ratio']:9.1%}"
+                      f"{m['rss_mib']:14,.0f}{m['test_acc']:10.4f}{m['train_s']:9.1f}{m['wall_s']:8.1f}")
+    compare = {}
+    for p in precisions:
+        a, b = med.get(f"lakeml/{p}"), med.get(f"HF Trainer/{p}")
+        if a and b:
+            ratio = a["samples_per_s"] / b["samples_per_s"]
+            diff = 100 * (a["test_acc"] - b["test_acc"])
+            compare[p] = {"samples_per_s_ratio": ratio, "test_acc_diff_points": diff,
+                          "speed_target_met": ratio >= 2.0, "acc_target_met": diff >= -0.5}
+            print(f"{p}: lakeml / HF Trainer samples/s {ratio:.2f}x (target >= 2x); "
+                  f"test acc lakeml - HF {diff:+.2f} points (target >= -0.5)")
+    return {"medians": med, "compare": compare}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin", default=os.environ.get("LAKEML_BIN"), help="the pipeline binary (default $LAKEML_BIN)")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per side and precision, interleaved (median)")
+    ap.add_argument("--limit", type=int, help="train on the first N train rows (by id) only, both sides")
+    ap.add_argument("--side", choices=["both", "lakeml", "hf"], default="both")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="intra-op threads for both sides (default: all usable cores)")
+    ap.add_argument("--out", help="write a JSON summary here")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    ap.add_argument("--hf-child", nargs=5, metavar=("TABLE", "MODEL", "PRECISION", "THREADS", "OUT_DIR"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.hf_child:
+        table, model, precision, threads, out_dir = args.hf_child
+        return hf_child(table, model, precision, int(threads), out_dir)
+    if not args.bin:
+        sys.exit("give the pipeline binary with --bin or LAKEML_BIN (scripts/bench.sh train does)")
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assets = pathlib.Path(os.path.expanduser(os.environ.get("LAKEML_ASSETS", "~/.cache/lakeml/assets")))
+    model = str(assets / "all-MiniLM-L6-v2")
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    sides = {"both": ["lakeml", "HF Trainer"], "lakeml": ["lakeml"], "hf": ["HF Trainer"]}[args.side]
+    work = pathlib.Path(tempfile.mkdtemp(prefix="lakeml-bench-train-"))
+    env = dict(os.environ, LAKEML_BENCH_DIR=str(work), LAKEML_ASSETS=str(assets),
+               OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               TOKENIZERS_PARALLELISM="false")
+    if args.limit:
+        env["LAKEML_BENCH_LIMIT"] = str(args.limit)
+    print(f"machine: {os.cpu_count()} cores, {args.threads} threads per side, load average "
+          f"{os.getloadavg()[0]:.2f} (other work on these cores slows both sides); work dir {work}", flush=True)
+
+    try:
+        run_all(args, root, model, precisions, sides, work, env)
+    finally:
+        if args.keep:
+            print(f"work dir kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_all(args, root: pathlib.Path, model: str, precisions: list[str], sides: list[str],
+            work: pathlib.Path, env: dict) -> None:
+    yaml = str(root / "benches/pipelines/train.yaml")
+    # The shared input: the tokenized Rotten Tomatoes table (made once by lakeml, not timed).
+    made = run_measured([args.bin, "run", "--json", "-q", str(root / "benches/pipelines/train_input.yaml")], env)
+    if made["rc"] != 0:
+        sys.exit(f"making the input table failed:\n{tail(made['stderr'])}")
+    table = str(work / "reviews_tokenized")
+    import collections
+    import deltalake
+    counts = collections.Counter(deltalake.DeltaTable(table).to_pyarrow_table().column("split").to_pylist())
+    print(f"input: {table}: {dict(counts)}", flush=True)
+    if "lakeml" in sides:
+        check_lakeml(args.bin, yaml, env)
+
+    runs = []
+    try:
+        for i in range(args.repeat):
+            for p in precisions:
+                order = sides if i % 2 == 0 else sides[::-1]
+                for s in order:
+                    if s == "lakeml":
+                        r = lakeml_side(args.bin, yaml, work, p, env)
+                    else:
+                        r = hf_side(table, model, p, args.threads, work, env)
+                    runs.append(r)
+                    print(f"  run {i + 1} {s:10} {p}: {r['samples_per_s']:.1f} samples/s, test acc "
+                          f"{r['test_acc']:.4f}, {r['rss_mib']:,.0f} MiB, {r['wall_s']:.1f} s wall", flush=True)
+    except SideFailed as e:
+        sys.exit(f"\n{e}")
+    summary = summarize(runs, sides, precisions, args.repeat)
+    print(f"load average now {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[2]:.2f} (15 min) "
+          f"on {os.cpu_count()} cores")
+    if args.out:
+        import torch
+        import transformers
+        doc = {"machine": {"cpus": os.cpu_count(), "threads": args.threads,
+                           "load_average_at_end": os.getloadavg()},
+               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+               "config": {"epochs": 1, "batch_size": BATCH_SIZE, "lr": LR, "max_length": 128, "seed": SEED,
+                          "limit": args.limit, "repeat": args.repeat, "train_rows": counts.get("train"),
+                          "test_rows": counts.get("test")},
+               "runs": runs, **summary}
+        pathlib.Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"summary written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
