@@ -29,6 +29,9 @@ pub struct StageReport {
     /// Training: stopped by early stopping.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stopped_early: bool,
+    /// Training: the MLflow run that holds the params, metrics and model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlflow_run_id: Option<String>,
     /// Training: the fingerprint of inputs and settings (a matching rerun is skipped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<String>,

@@ -272,10 +272,14 @@ fn fused_cpu(
             std::slice::from_raw_parts_mut(v.data_ptr() as *mut f32, n),
         )
     };
-    let (b1, b2, eps) = (c.beta1 as f32, c.beta2 as f32, c.eps as f32);
-    let step_size = (lr / bc1) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let scale = grad_scale as f32;
+    let k = Coefficients {
+        b1: c.beta1 as f32,
+        b2: c.beta2 as f32,
+        eps: c.eps as f32,
+        step_size: (lr / bc1) as f32,
+        bc2_sqrt: bc2.sqrt() as f32,
+        scale: grad_scale as f32,
+    };
     let decay = (1.0 - lr * c.weight_decay) as f32;
     const CHUNK: usize = 1 << 16;
     p.par_chunks_mut(CHUNK)
@@ -284,18 +288,91 @@ fn fused_cpu(
         .zip(v.par_chunks_mut(CHUNK))
         .enumerate()
         .for_each(|(chunk, (((p, g), m), v))| {
-            let start = chunk * CHUNK;
-            for i in 0..p.len() {
-                let gi = g[i] * scale;
-                if start + i < decayed {
-                    p[i] *= decay;
-                }
-                m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] -= step_size * m[i] / denom;
-            }
+            // The decayed prefix and the rest, each a branch-free loop.
+            let split = decayed.saturating_sub(chunk * CHUNK).min(p.len());
+            let (p0, p1) = p.split_at_mut(split);
+            let (m0, m1) = m.split_at_mut(split);
+            let (v0, v1) = v.split_at_mut(split);
+            adamw_slice(p0, &g[..split], m0, v0, decay, &k);
+            adamw_slice(p1, &g[split..], m1, v1, 1.0, &k);
         });
+}
+
+struct Coefficients {
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    scale: f32,
+}
+
+/// AdamW on one slice; on x86-64 with AVX-512 (or AVX2) the compiler gets to use it, as
+/// PyTorch's own fused kernel does by runtime dispatch.
+fn adamw_slice(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    decay: f32,
+    k: &Coefficients,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above).
+            return unsafe { adamw_avx512(p, g, m, v, decay, k) };
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            return unsafe { adamw_avx2(p, g, m, v, decay, k) };
+        }
+    }
+    adamw_scalar(p, g, m, v, decay, k);
+}
+
+#[inline(always)]
+fn adamw_scalar(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    decay: f32,
+    k: &Coefficients,
+) {
+    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = g * k.scale;
+        *m = k.b1 * *m + (1.0 - k.b1) * g;
+        *v = k.b2 * *v + (1.0 - k.b2) * g * g;
+        let denom = v.sqrt() / k.bc2_sqrt + k.eps;
+        *p = *p * decay - k.step_size * *m / denom;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn adamw_avx512(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    decay: f32,
+    k: &Coefficients,
+) {
+    adamw_scalar(p, g, m, v, decay, k);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn adamw_avx2(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    decay: f32,
+    k: &Coefficients,
+) {
+    adamw_scalar(p, g, m, v, decay, k);
 }
 
 /// The same arithmetic in tensor ops, for devices other than the CPU.

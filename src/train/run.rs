@@ -162,6 +162,7 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     report.metrics = outcome.metrics;
     report.resumed_from = outcome.resumed_from;
     report.stopped_early = outcome.stopped_early;
+    report.mlflow_run_id = outcome.mlflow_run_id;
     report.table = outcome.model_dir.display().to_string();
     report.fingerprint = Some(fingerprint);
     let text = serde_json::to_string_pretty(&report)

@@ -25,6 +25,7 @@ pub(crate) struct Outcome {
     pub model_dir: PathBuf,
     pub resumed_from: Option<u64>,
     pub stopped_early: bool,
+    pub mlflow_run_id: Option<String>,
 }
 
 /// Everything the training thread needs, owned.
@@ -274,6 +275,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         model_dir,
         resumed_from,
         stopped_early,
+        mlflow_run_id: state.mlflow_run_id.clone(),
     })
 }
 

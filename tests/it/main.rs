@@ -3,6 +3,9 @@
 
 mod cli;
 mod common;
+mod mlflow;
+#[path = "../support/mlflow_server.rs"]
+mod mlflow_server;
 mod real_data;
 mod tokenize;
 mod train;

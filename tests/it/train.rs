@@ -49,7 +49,7 @@ stages:
     )
 }
 
-fn minilm_yaml(rows: usize, settings: &str) -> String {
+pub fn minilm_yaml(rows: usize, settings: &str) -> String {
     train_yaml(
         rows,
         &minilm().display().to_string(),
@@ -58,7 +58,7 @@ fn minilm_yaml(rows: usize, settings: &str) -> String {
     )
 }
 
-fn report<'a>(reports: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
+pub fn report<'a>(reports: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
     reports
         .iter()
         .find(|r| r["kind"] == kind)
