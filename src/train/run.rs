@@ -137,8 +137,9 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     // libtorch runs on a plain thread of its own: the async runtime is never blocked, and a
     // libtorch failure (a C++ exception surfaces as a panic in tch) becomes an error here.
     let (tx, rx) = tokio::sync::oneshot::channel();
+    quiet_training_panics();
     std::thread::Builder::new()
-        .name("lakeml-train".into())
+        .name(TRAIN_THREAD.into())
         .spawn(move || {
             let result =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trainer::train(job)))
@@ -170,6 +171,22 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     std::fs::write(&summary_path, text)
         .map_err(|e| Error::io(format!("writing {}", summary_path.display()), e))?;
     Ok(report)
+}
+
+const TRAIN_THREAD: &str = "lakeml-train";
+
+/// A libtorch exception on the training thread becomes an error message; the default
+/// hook would also print it raw, as if lakeml had crashed. Other threads keep that hook.
+fn quiet_training_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if std::thread::current().name() != Some(TRAIN_THREAD) {
+                default(info);
+            }
+        }));
+    });
 }
 
 /// A libtorch exception, raised as a panic by tch, in words a user can act on.

@@ -314,3 +314,43 @@ fn early_stopping_stops_when_the_metric_stalls() {
     let jsonl = std::fs::read_to_string(s.path().join("run/metrics.jsonl")).expect("jsonl");
     assert_eq!(jsonl.matches("\"eval/loss\"").count(), 2, "{jsonl}");
 }
+
+#[test]
+fn running_out_of_memory_is_a_clear_error_not_a_crash() {
+    // A config whose feed-forward layers need ~256 GB: the allocation fails in libtorch.
+    let s = Scratch::new();
+    let model = s.path().join("huge");
+    std::fs::create_dir_all(&model).expect("mkdir");
+    let fixture = repo().join("tests/fixtures/models/bert");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).expect("read"))
+            .expect("json");
+    config["vocab_size"] = 30522.into();
+    config["intermediate_size"] = 2_000_000_000i64.into();
+    std::fs::write(model.join("config.json"), config.to_string()).expect("write");
+    std::fs::copy(
+        fixture.join("model.safetensors"),
+        model.join("model.safetensors"),
+    )
+    .expect("copy");
+    std::fs::copy(
+        minilm().join("tokenizer.json"),
+        model.join("tokenizer.json"),
+    )
+    .expect("copy");
+    s.write(
+        "p.yaml",
+        &train_yaml(120, "huge", "      from: tokenized", "      max_steps: 2\n"),
+    );
+    let (code, err) = failure(&s, "p.yaml");
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("out of memory") && err.contains("lower `batch_size`"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("panicked"),
+        "a raw panic reached the user:\n{err}"
+    );
+    assert!(!s.path().join("run/model").exists());
+}
