@@ -107,6 +107,11 @@ impl Client {
             reqwest::Client::builder()
                 .timeout(TIMEOUT)
                 .connect_timeout(CONNECT_TIMEOUT)
+                // No idle keep-alive connections: the server (uvicorn) closes idle ones on
+                // its own clock, and a request sent on one just as it closes fails with
+                // "connection closed before message completed". Requests come every few
+                // seconds at most, so a fresh connection each time costs nothing.
+                .pool_max_idle_per_host(0)
                 .build()
                 .map_err(|e| Error::Internal(format!("building the HTTP client: {e}")))?
         };
