@@ -31,10 +31,15 @@ pub(crate) struct Model {
 }
 
 impl Model {
-    /// Loads an HF model directory (`config.json` + safetensors) with a classification head
-    /// of `num_labels` classes on `device`.
-    pub(crate) fn load(dir: &Path, num_labels: i64, device: Device) -> Result<Self> {
-        let config = ModelConfig::load(dir)?;
+    /// Loads the weights of an HF model directory, whose `config.json` is `config` (read
+    /// with [`ModelConfig::load`]), with a classification head of `num_labels` classes on
+    /// `device`.
+    pub(crate) fn load(
+        config: ModelConfig,
+        dir: &Path,
+        num_labels: i64,
+        device: Device,
+    ) -> Result<Self> {
         let vs = nn::VarStore::new(device);
         let net = build(&vs.root(), &config.arch, num_labels)?;
         let loaded = weights::load(&vs, dir, config.arch.prefix())?;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use tch::{Device, Kind, Tensor};
 
-use super::Model;
+use super::{Model, ModelConfig};
 use crate::error::Error;
 
 /// Tolerance on logits against transformers (fp32, CPU).
@@ -24,6 +24,11 @@ fn golden(path: PathBuf) -> std::collections::HashMap<String, Tensor> {
         .collect()
 }
 
+/// Config and weights of `dir`, as a pipeline loads them.
+fn load(dir: &std::path::Path, num_labels: i64, device: Device) -> crate::error::Result<Model> {
+    Model::load(ModelConfig::load(dir)?, dir, num_labels, device)
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
@@ -36,7 +41,7 @@ fn check_fixture(name: &str) {
     let dir = fixture(&format!("models/{name}"));
     let g = golden(dir.join("golden.safetensors"));
     let (ids, mask, want) = (&g["input_ids"], &g["attention_mask"], &g["logits"]);
-    let model = Model::load(&dir, want.size()[1], Device::Cpu).expect("load");
+    let model = load(&dir, want.size()[1], Device::Cpu).expect("load");
     assert!(model.fresh.is_empty(), "{name}: fresh {:?}", model.fresh);
     let got = logits(&model, ids, mask);
     let diff = max_diff(&got, want);
@@ -89,7 +94,7 @@ fn minilm_with_a_seeded_head_matches_transformers() {
         .expect("LAKEML_ASSETS is not set: run the tests with scripts/test.sh");
     let dir = PathBuf::from(assets).join("all-MiniLM-L6-v2");
     let g = golden(fixture("minilm/golden.safetensors"));
-    let mut model = Model::load(&dir, 2, Device::Cpu).expect("load MiniLM");
+    let mut model = load(&dir, 2, Device::Cpu).expect("load MiniLM");
     assert_eq!(model.fresh, vec!["classifier.bias", "classifier.weight"]);
     let mut vars = model.vs.variables();
     for name in ["classifier.weight", "classifier.bias"] {
@@ -107,7 +112,7 @@ fn minilm_with_a_seeded_head_matches_transformers() {
 fn unknown_model_type_lists_the_supported_ones() {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join("config.json"), r#"{"model_type": "xlnet"}"#).expect("write");
-    let err = Model::load(dir.path(), 2, Device::Cpu)
+    let err = load(dir.path(), 2, Device::Cpu)
         .err()
         .map(|e| e.to_string());
     assert_eq!(
@@ -134,7 +139,7 @@ fn truncated_safetensors_is_a_clear_error() {
         &bytes[..bytes.len() / 2],
     )
     .expect("write");
-    match Model::load(dir.path(), 3, Device::Cpu) {
+    match load(dir.path(), 3, Device::Cpu) {
         Err(Error::Model(m)) => assert!(
             m.contains("model.safetensors") && m.contains("corrupted or truncated"),
             "{m}"
@@ -158,7 +163,7 @@ fn mismatched_config_and_weights_name_the_tensor() {
         dir.path().join("model.safetensors"),
     )
     .expect("copy");
-    let err = Model::load(dir.path(), 3, Device::Cpu)
+    let err = load(dir.path(), 3, Device::Cpu)
         .err()
         .map(|e| e.to_string());
     let err = err.unwrap_or_default();
@@ -173,11 +178,11 @@ fn mismatched_config_and_weights_name_the_tensor() {
 fn saved_weights_reload_to_the_same_logits() {
     let dir = fixture("models/roberta");
     let g = golden(dir.join("golden.safetensors"));
-    let model = Model::load(&dir, 3, Device::Cpu).expect("load");
+    let model = load(&dir, 3, Device::Cpu).expect("load");
     let out = tempfile::tempdir().expect("tempdir");
     std::fs::copy(dir.join("config.json"), out.path().join("config.json")).expect("copy");
     model.save_weights(out.path()).expect("save");
-    let again = Model::load(out.path(), 3, Device::Cpu).expect("reload");
+    let again = load(out.path(), 3, Device::Cpu).expect("reload");
     let (a, b) = (
         logits(&model, &g["input_ids"], &g["attention_mask"]),
         logits(&again, &g["input_ids"], &g["attention_mask"]),

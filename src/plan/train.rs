@@ -5,6 +5,7 @@ use std::path::Path;
 
 use arrow::datatypes::{DataType, Schema};
 
+use super::checks::column_list;
 use super::{query, resolve};
 use crate::config::{Every as EverySpec, Precision, TrainSpec};
 use crate::model::ModelConfig;
@@ -76,7 +77,7 @@ pub(super) fn train_stage(base: &Path, i: usize, t: TrainSpec) -> Result<TrainSt
             model.display()
         ));
     }
-    ModelConfig::load(&model).map_err(|e| format!("{f}.model: {e}"))?;
+    let config = ModelConfig::load(&model).map_err(|e| format!("{f}.model: {e}"))?;
     if !model.join("tokenizer.json").is_file() {
         return Err(format!(
             "{f}.model: `{}` has no tokenizer.json; the trained model is saved with its \
@@ -177,6 +178,7 @@ pub(super) fn train_stage(base: &Path, i: usize, t: TrainSpec) -> Result<TrainSt
         query,
         output: resolve(base, &t.output),
         model,
+        config,
         split: t.split,
         labels: t.labels,
         device,
@@ -217,14 +219,6 @@ pub(super) fn train_stage(base: &Path, i: usize, t: TrainSpec) -> Result<TrainSt
 /// The columns a train stage reads: `id` int64, `input_ids` list of int32, an integer
 /// `label`, and the split column (strings).
 pub(super) fn check_train_columns(t: &TrainStage, schema: &Schema) -> Result<(), String> {
-    let columns = || {
-        schema
-            .fields()
-            .iter()
-            .map(|f| f.name().as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
     let get =
         |name: &str| {
             schema.field_with_name(name).map(|f| f.data_type().clone()).map_err(|_| {
@@ -232,7 +226,7 @@ pub(super) fn check_train_columns(t: &TrainStage, schema: &Schema) -> Result<(),
                 "{}: column `{name}` not found in the stage's query (columns: {}); train reads \
                  a tokenized table (id, input_ids, label, and the split column)",
                 t.field,
-                columns()
+                column_list(schema)
             )
         })
         };

@@ -29,6 +29,8 @@ pub(crate) struct TrainStage {
     pub field: String,
     pub query: crate::plan::Query,
     pub model: PathBuf,
+    /// The model's `config.json`, read once when the pipeline file is.
+    pub config: crate::model::ModelConfig,
     pub output: PathBuf,
     pub split: String,
     pub labels: Option<Vec<String>>,

@@ -12,7 +12,6 @@ use super::trainer::{self, Job};
 use crate::delta;
 use crate::error::{Error, Result};
 use crate::fingerprint;
-use crate::model::ModelConfig;
 use crate::report::StageReport;
 use crate::stages::Run;
 
@@ -120,14 +119,13 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     }
 
     let batches = df.collect().await.map_err(engine)?;
-    let config = ModelConfig::load(&stage.model)?;
     let dataset = data::dataset(
         &batches,
         &stage.split,
         names,
         &Limits {
-            vocab_size: config.arch.vocab_size(),
-            max_positions: config.arch.max_positions(),
+            vocab_size: stage.config.arch.vocab_size(),
+            max_positions: stage.config.arch.max_positions(),
         },
     )?;
     report.rows_in = dataset.train.len() as u64;
