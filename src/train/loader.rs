@@ -93,6 +93,12 @@ pub(crate) fn epoch_batches(split: &Split, order: &Order, epoch: u64) -> Vec<Vec
         .collect()
 }
 
+/// How many batches [`epoch_batches`] gives each rank, without shuffling anything: length
+/// groups are whole multiples of the batch size, so grouping never adds a batch.
+pub(crate) fn batches_per_epoch(rows: usize, order: &Order) -> usize {
+    rows.div_ceil(order.batch_size) / order.world
+}
+
 /// Batches for evaluation: every row once, sorted by length (least padding), in order.
 pub(crate) fn eval_batches(split: &Split, batch_size: usize) -> Vec<Vec<usize>> {
     let mut rows: Vec<usize> = (0..split.len()).collect();
@@ -220,6 +226,12 @@ mod tests {
             epoch_batches(&s, &order(true, 0, 1), 0),
             "same seed, same order"
         );
+        for (grouped, world) in [(true, 1), (false, 1), (true, 3), (false, 4)] {
+            assert_eq!(
+                batches_per_epoch(s.len(), &order(grouped, 0, world)),
+                epoch_batches(&s, &order(grouped, 0, world), 0).len()
+            );
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use tch::Kind;
+use tch::{Kind, Tensor};
 
 use super::checkpoint::{self, LoopState};
 use super::data::{Dataset, Split};
@@ -16,7 +16,7 @@ use super::optim::{self, AdamW, AdamWConfig};
 use super::{Every, TrainSettings, TrainStage};
 use crate::config::{Precision, SaveWhich};
 use crate::error::{Error, Result};
-use crate::model::Model;
+use crate::model::{Model, ModelConfig};
 use crate::track::{MlflowSettings, Tracker};
 
 /// What a finished run reports.
@@ -31,6 +31,7 @@ pub(crate) struct Outcome {
 /// Everything the training thread needs, owned.
 pub(crate) struct Job {
     pub model_dir: PathBuf,
+    pub config: ModelConfig,
     pub output: PathBuf,
     pub device: tch::Device,
     pub mlflow: Option<MlflowSettings>,
@@ -49,6 +50,7 @@ impl Job {
     ) -> Self {
         Self {
             model_dir: stage.model.clone(),
+            config: stage.config.clone(),
             output: stage.output.clone(),
             device: stage.device,
             mlflow: stage.mlflow.as_ref().map(|m| MlflowSettings {
@@ -143,7 +145,12 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     tch::set_num_threads(s.threads as i32);
     tch::manual_seed(s.seed as i64);
     let classes = job.data.labels.len();
-    let mut model = Model::load(&job.model_dir, classes as i64, job.device)?;
+    let mut model = Model::load(
+        job.config.clone(),
+        &job.model_dir,
+        classes as i64,
+        job.device,
+    )?;
     let pad_id = model.config.arch.pad_token_id();
     let kind = match s.precision {
         Precision::Fp32 => Kind::Float,
@@ -167,7 +174,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         rank: s.rank,
         world: s.world,
     };
-    let micro_per_epoch = loader::epoch_batches(&train, &order, 0).len();
+    let micro_per_epoch = loader::batches_per_epoch(train.len(), &order);
     if micro_per_epoch == 0 {
         return Err(Error::Data(format!(
             "{} training rows make no batch for rank {} of {}",
@@ -297,7 +304,10 @@ fn train_loop(
     let device = job.device;
     let bar = bar(job.progress, total_steps);
     bar.set_position(state.global_step);
-    let mut window = (Instant::now(), 0u64, 0.0f64, 0u64); // since last log: time, rows, loss sum, micro-batches
+    // Since the last log line: start, rows, micro-batches, and the loss summed on the
+    // device (reading it every micro-batch would stall a GPU once per batch).
+    let mut window = (Instant::now(), 0u64, 0u64);
+    let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
     let mut stopped = false;
     'epochs: while state.global_step < total_steps {
         let epoch = state.epoch;
@@ -326,8 +336,8 @@ fn train_loop(
             state.tokens += batch.tokens as u64;
             state.slots += batch.slots as u64;
             window.1 += batch.rows as u64;
-            window.2 += loss.double_value(&[]);
-            window.3 += 1;
+            window.2 += 1;
+            let _ = loss_sum.g_add_(&loss.detach());
             if in_step < s.grad_accum && micro < micro_total {
                 continue;
             }
@@ -356,7 +366,7 @@ fn train_loop(
 
             if step.is_multiple_of(s.log_every) || step == total_steps {
                 let secs = window.0.elapsed().as_secs_f64().max(1e-9);
-                let avg_loss = window.2 / window.3.max(1) as f64;
+                let avg_loss = loss_sum.double_value(&[]) / window.2.max(1) as f64;
                 let rate = window.1 as f64 / secs;
                 bar.set_message(format!("loss {avg_loss:.4} · {rate:.0} samples/s"));
                 log(
@@ -373,7 +383,8 @@ fn train_loop(
                         ),
                     ],
                 )?;
-                window = (Instant::now(), 0, 0.0, 0);
+                window = (Instant::now(), 0, 0);
+                let _ = loss_sum.zero_();
             }
             let end_of_epoch = micro == micro_total;
             if end_of_epoch {
