@@ -44,15 +44,17 @@ pub(super) async fn plan_schema(
     Ok(df.schema().inner().clone())
 }
 
+/// The query's column names, for "not found" messages.
+pub(super) fn column_list(schema: &Schema) -> String {
+    schema
+        .fields()
+        .iter()
+        .map(|f| f.name().as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub(super) fn check_tokenize_columns(t: &TokenizeStage, schema: &Schema) -> Result<(), String> {
-    let columns = || {
-        schema
-            .fields()
-            .iter()
-            .map(|f| f.name().as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
     let get =
         |key: &str, name: &str| {
             schema.field_with_name(name).map(|f| f.data_type().clone()).map_err(|_| {
@@ -60,7 +62,7 @@ pub(super) fn check_tokenize_columns(t: &TokenizeStage, schema: &Schema) -> Resu
                 "{}.{key}: column `{name}` not found in the stage's query (columns: {}); fix \
                  the column name or the query",
                 t.field,
-                columns()
+                column_list(schema)
             )
         })
         };

@@ -233,24 +233,34 @@ fn null_labels_and_a_single_class_are_refused_and_leave_no_model() {
     assert!(!s.path().join("run/model").exists(), "{err}");
 }
 
-#[test]
-fn a_tokenizer_that_does_not_match_the_model_is_refused() {
-    // The tiny BERT fixture has a 512-token vocabulary; MiniLM's tokenizer goes to 30,521.
-    let s = Scratch::new();
-    let model = s.path().join("tiny");
+/// A model directory `name` in the scratch dir: the tiny BERT fixture's weights, its
+/// config.json changed by `patch`, and MiniLM's tokenizer.
+fn fixture_model(s: &Scratch, name: &str, patch: impl FnOnce(&mut serde_json::Value)) {
+    let model = s.path().join(name);
     std::fs::create_dir_all(&model).expect("mkdir");
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(
-            repo().join("tests/fixtures/models/bert").join(f),
-            model.join(f),
-        )
-        .expect("copy");
-    }
+    let fixture = repo().join("tests/fixtures/models/bert");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).expect("read"))
+            .expect("json");
+    patch(&mut config);
+    std::fs::write(model.join("config.json"), config.to_string()).expect("write");
+    std::fs::copy(
+        fixture.join("model.safetensors"),
+        model.join("model.safetensors"),
+    )
+    .expect("copy");
     std::fs::copy(
         minilm().join("tokenizer.json"),
         model.join("tokenizer.json"),
     )
     .expect("copy");
+}
+
+#[test]
+fn a_tokenizer_that_does_not_match_the_model_is_refused() {
+    // The tiny BERT fixture has a 512-token vocabulary; MiniLM's tokenizer goes to 30,521.
+    let s = Scratch::new();
+    fixture_model(&s, "tiny", |_| {});
     s.write(
         "p.yaml",
         &train_yaml(120, "tiny", "      from: tokenized", "      max_steps: 2\n"),
@@ -319,25 +329,10 @@ fn early_stopping_stops_when_the_metric_stalls() {
 fn running_out_of_memory_is_a_clear_error_not_a_crash() {
     // A config whose feed-forward layers need ~256 GB: the allocation fails in libtorch.
     let s = Scratch::new();
-    let model = s.path().join("huge");
-    std::fs::create_dir_all(&model).expect("mkdir");
-    let fixture = repo().join("tests/fixtures/models/bert");
-    let mut config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture.join("config.json")).expect("read"))
-            .expect("json");
-    config["vocab_size"] = 30522.into();
-    config["intermediate_size"] = 2_000_000_000i64.into();
-    std::fs::write(model.join("config.json"), config.to_string()).expect("write");
-    std::fs::copy(
-        fixture.join("model.safetensors"),
-        model.join("model.safetensors"),
-    )
-    .expect("copy");
-    std::fs::copy(
-        minilm().join("tokenizer.json"),
-        model.join("tokenizer.json"),
-    )
-    .expect("copy");
+    fixture_model(&s, "huge", |config| {
+        config["vocab_size"] = 30522.into();
+        config["intermediate_size"] = 2_000_000_000i64.into();
+    });
     s.write(
         "p.yaml",
         &train_yaml(120, "huge", "      from: tokenized", "      max_steps: 2\n"),
