@@ -16,31 +16,13 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+from measure import run_ok
+
 MAX_LENGTH = 128
-
-
-def run_measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Runs cmd as a child; returns its wall time, its own peak RSS (wait4) and stdout.
-
-    Output goes to temporary files, not pipes: waiting on a child that fills a pipe
-    would deadlock.
-    """
-    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=env, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - started
-        out_f.seek(0)
-        err_f.seek(0)
-        out, err = out_f.read(), err_f.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{out}\n{err}")
-    return {"wall": wall, "rss_mib": usage.ru_maxrss / 1024, "stdout": out}
 
 
 def hf_side(source: str, dest: str, model: str) -> None:
@@ -112,20 +94,20 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores; work dir {work}", flush=True)
 
     # The shared input: 256k reviews as a Delta table (made once, not timed).
-    made = run_measured([args.bin, "run", "--json", "--quiet",
+    made = run_ok([args.bin, "run", "--json", "--quiet",
                          str(root / "benches/pipelines/bench_input.yaml")], env)
     rows = json.loads(made["stdout"].splitlines()[-1])["rows_out"]
     print(f"input: {rows} rows in {work / 'reviews_x20'}", flush=True)
 
     lakeml, hf = [], []
     for i in range(args.repeats):
-        r = run_measured([args.bin, "run", "--json", "--quiet", "--force", yaml], env)
+        r = run_ok([args.bin, "run", "--json", "--quiet", "--force", yaml], env)
         stage = json.loads(r["stdout"].splitlines()[-1])
         lakeml.append({"wall": r["wall"], "rss": r["rss_mib"], "stage_s": stage["seconds"],
                        "rows": stage["rows_out"], "tokens": stage["tokens"]})
         dest = work / "hf_tokenized"
         shutil.rmtree(dest, ignore_errors=True)
-        r = run_measured([py, __file__, "--hf-child", str(work / "reviews_x20"), str(dest), model], env)
+        r = run_ok([py, __file__, "--hf-child", str(work / "reviews_x20"), str(dest), model], env)
         out = json.loads(r["stdout"])
         hf.append({"wall": r["wall"], "rss": r["rss_mib"], "stage_s": out["seconds"],
                    "rows": out["rows"], "tokens": out["tokens"]})
@@ -138,8 +120,8 @@ def main() -> None:
     with open(texts, "w") as f:
         for t in deltalake.DeltaTable(str(work / "reviews_x20")).to_pyarrow_table().column("text").to_pylist():
             f.write(json.dumps(t) + "\n")
-    core_rs = json.loads(run_measured([args.core, model, str(texts), str(MAX_LENGTH), str(args.repeats)], env)["stdout"])
-    core_py = json.loads(run_measured([py, __file__, "--core-child", str(texts), model, str(args.repeats)], env)["stdout"])
+    core_rs = json.loads(run_ok([args.core, model, str(texts), str(MAX_LENGTH), str(args.repeats)], env)["stdout"])
+    core_py = json.loads(run_ok([py, __file__, "--core-child", str(texts), model, str(args.repeats)], env)["stdout"])
 
     def med(xs, key):
         return statistics.median(x[key] for x in xs)

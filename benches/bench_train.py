@@ -37,10 +37,11 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from measure import run_measured
 
 SEED = 42
 BATCH_SIZE = 32
@@ -50,24 +51,6 @@ RESULT = "BENCH_RESULT "  # prefix of the HF child's result line (Trainer prints
 
 class SideFailed(Exception):
     pass
-
-
-def run_measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Runs cmd as a child; returns its wall time, its own peak RSS (wait4), exit code and output.
-
-    Output goes to temporary files, not pipes: waiting on a child that fills a pipe
-    would deadlock.
-    """
-    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=env, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - started
-        out_f.seek(0)
-        err_f.seek(0)
-        out, err = out_f.read(), err_f.read()
-    return {"wall": wall, "rss_mib": usage.ru_maxrss / 1024, "rc": os.waitstatus_to_exitcode(status),
-            "stdout": out, "stderr": err}
 
 
 def tail(text: str, lines: int = 20) -> str:
