@@ -8,7 +8,9 @@ use serde::Deserialize;
 use tch::Tensor;
 use tch::nn::{self, Module};
 
-use super::{Classifier, activation, attention, attention_bias, embedding, layer_norm, linear};
+use super::{
+    Classifier, activation, attention, attention_bias, embedding, layer_norm, linear, queries,
+};
 use crate::error::{Error, Result};
 
 /// `BertConfig` / `RobertaConfig`: the fields the forward pass reads.
@@ -182,9 +184,11 @@ impl Layer {
         }
     }
 
-    fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool) -> Tensor {
+    /// `first_only`: compute the output of the first token only (see [`queries`]).
+    fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
+        let q = queries(x, first_only);
         let ctx = attention(
-            &self.query.forward(x),
+            &self.query.forward(&q),
             &self.key.forward(x),
             &self.value.forward(x),
             bias,
@@ -194,7 +198,7 @@ impl Layer {
         );
         let x = self
             .attn_norm
-            .forward(&(self.attn_out.forward(&ctx).dropout(self.dropout, train) + x));
+            .forward(&(self.attn_out.forward(&ctx).dropout(self.dropout, train) + q));
         let inner = activation(&self.act, &self.intermediate.forward(&x));
         self.out_norm
             .forward(&(self.output.forward(&inner).dropout(self.dropout, train) + x))
@@ -218,11 +222,14 @@ impl Encoder {
         })
     }
 
+    /// Hidden states `[batch, seq, hidden]`; in eval mode the last layer computes the first
+    /// token only (`[batch, 1, hidden]`), which is all the classification heads read.
     fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
         let mut x = self.embeddings.forward_t(input_ids, train);
         let bias = attention_bias(attention_mask, x.kind());
-        for layer in &self.layers {
-            x = layer.forward_t(&x, &bias, train);
+        let last = self.layers.len().saturating_sub(1);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_t(&x, &bias, train, !train && i == last);
         }
         x
     }

@@ -114,6 +114,32 @@ impl ModelConfig {
         Ok(Self { arch, raw })
     }
 
+    /// Class names by id, from `id2label`; `None` when the config has none.
+    pub(crate) fn labels(&self) -> Result<Option<Vec<String>>> {
+        let Some(map) = self.raw.get("id2label").and_then(|v| v.as_object()) else {
+            return Ok(None);
+        };
+        let mut names = vec![None; map.len()];
+        for (id, name) in map {
+            let slot = id
+                .parse::<usize>()
+                .ok()
+                .and_then(|i| names.get_mut(i))
+                .ok_or_else(|| {
+                    Error::Model(format!(
+                        "config.json: id2label key `{id}` is not a class id in 0..{}; ids must \
+                         run from 0 without gaps",
+                        map.len()
+                    ))
+                })?;
+            *slot = Some(
+                name.as_str()
+                    .map_or_else(|| name.to_string(), str::to_string),
+            );
+        }
+        Ok(Some(names.into_iter().flatten().collect()))
+    }
+
     /// `config.json` for a saved classifier with these labels.
     pub(crate) fn with_labels(&self, labels: &[String]) -> serde_json::Value {
         let mut raw = self.raw.clone();

@@ -7,7 +7,9 @@ use serde::Deserialize;
 use tch::Tensor;
 use tch::nn::{self, Module};
 
-use super::{Classifier, activation, attention, attention_bias, embedding, layer_norm, linear};
+use super::{
+    Classifier, activation, attention, attention_bias, embedding, layer_norm, linear, queries,
+};
 use crate::error::{Error, Result};
 
 /// DistilBERT's LayerNorms use a fixed epsilon, not a config field.
@@ -105,9 +107,11 @@ impl Block {
         }
     }
 
-    fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool) -> Tensor {
+    /// `first_only`: compute the output of the first token only (see [`queries`]).
+    fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
+        let q = queries(x, first_only);
         let ctx = attention(
-            &self.q.forward(x),
+            &self.q.forward(&q),
             &self.k.forward(x),
             &self.v.forward(x),
             bias,
@@ -115,7 +119,7 @@ impl Block {
             self.attn_dropout,
             train,
         );
-        let x = self.sa_norm.forward(&(self.out.forward(&ctx) + x));
+        let x = self.sa_norm.forward(&(self.out.forward(&ctx) + q));
         let ffn = self
             .lin2
             .forward(&activation(&self.act, &self.lin1.forward(&x)))
@@ -189,8 +193,10 @@ impl Classifier for DistilBertClassifier {
         let x = self.word.forward(input_ids) + self.position.forward(&positions);
         let mut x = self.norm.forward(&x).dropout(self.dropout, train);
         let bias = attention_bias(attention_mask, x.kind());
-        for block in &self.blocks {
-            x = block.forward_t(&x, &bias, train);
+        // In eval mode the last block computes `[CLS]` only: the head reads nothing else.
+        let last = self.blocks.len().saturating_sub(1);
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = block.forward_t(&x, &bias, train, !train && i == last);
         }
         let pooled = self.pre_classifier.forward(&x.select(1, 0)).relu();
         self.classifier

@@ -10,7 +10,10 @@ mod deberta;
 mod distilbert;
 #[cfg(test)]
 mod tests;
+pub(crate) mod thread;
 mod weights;
+
+pub(crate) use weights::weight_files;
 
 use std::path::Path;
 
@@ -103,6 +106,18 @@ pub(crate) const ACTIVATIONS: &[&str] = &[
     "tanh",
 ];
 
+/// The rows of `x` `[batch, seq, hidden]` a layer must compute: all of them, or only the
+/// first token's when nothing after the layer reads the others (the last layer of a
+/// classifier whose head reads `[CLS]`). Keys and values still come from every token, so
+/// the first token's output is exactly what the full layer gives it.
+pub(crate) fn queries(x: &Tensor, first_only: bool) -> Tensor {
+    if first_only {
+        x.narrow(1, 0, 1)
+    } else {
+        x.shallow_clone()
+    }
+}
+
 /// HF's `ACT2FN` for the activations these models use.
 pub(crate) fn activation(name: &str, x: &Tensor) -> Tensor {
     match name {
@@ -166,8 +181,9 @@ pub(crate) fn embedding(
     )
 }
 
-/// Multi-head scaled dot-product attention over `[batch, seq, hidden]` projections, with an
-/// additive `bias` `[batch, 1, 1, seq]`; returns `[batch, seq, hidden]`.
+/// Multi-head scaled dot-product attention of `[batch, queries, hidden]` queries over
+/// `[batch, seq, hidden]` keys and values, with an additive `bias` `[batch, 1, 1, seq]`;
+/// returns `[batch, queries, hidden]`.
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -179,7 +195,11 @@ pub(crate) fn attention(
 ) -> Tensor {
     let size = q.size();
     let (b, t, hidden) = (size[0], size[1], size[2]);
-    let split = |x: &Tensor| x.view([b, t, heads, hidden / heads]).transpose(1, 2);
+    // Queries may be fewer than keys (only the first token's, in a classifier's last layer).
+    let split = |x: &Tensor| {
+        x.view([b, x.size()[1], heads, hidden / heads])
+            .transpose(1, 2)
+    };
     let ctx = Tensor::scaled_dot_product_attention(
         &split(q),
         &split(k),

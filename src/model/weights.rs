@@ -15,7 +15,7 @@ pub(crate) struct Loaded {
 
 /// The safetensors files of a model directory: `model.safetensors`, or the shards listed by
 /// `model.safetensors.index.json`.
-fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     if single.is_file() {
         return Ok(vec![single]);

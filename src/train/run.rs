@@ -132,20 +132,7 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     report.tokens = dataset.train.tokens() as u64;
     let job = Job::new(stage, dataset, fingerprint.clone(), run.options.progress);
 
-    // libtorch runs on a plain thread of its own: the async runtime is never blocked, and a
-    // libtorch failure (a C++ exception surfaces as a panic in tch) becomes an error here.
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    quiet_training_panics();
-    std::thread::Builder::new()
-        .name(TRAIN_THREAD.into())
-        .spawn(move || {
-            let result =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| trainer::train(job)))
-                    .unwrap_or_else(|panic| Err(torch_failure(panic.as_ref())));
-            let _ = tx.send(result);
-        })
-        .map_err(|e| Error::io("starting the training thread", e))?;
-    let outcome = rx
+    let outcome = crate::model::thread::spawn("train", OOM_HINT, move || trainer::train(job))?
         .await
         .map_err(|_| Error::Internal("the training thread vanished".into()))?
         .map_err(|e| {
@@ -171,39 +158,6 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     Ok(report)
 }
 
-const TRAIN_THREAD: &str = "lakeml-train";
-
-/// A libtorch exception on the training thread becomes an error message; the default
-/// hook would also print it raw, as if lakeml had crashed. Other threads keep that hook.
-fn quiet_training_panics() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if std::thread::current().name() != Some(TRAIN_THREAD) {
-                default(info);
-            }
-        }));
-    });
-}
-
-/// A libtorch exception, raised as a panic by tch, in words a user can act on.
-fn torch_failure(panic: &(dyn std::any::Any + Send)) -> Error {
-    let msg = panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown failure".into());
-    let first = msg.lines().next().unwrap_or_default().to_string();
-    if msg.contains("out of memory")
-        || msg.contains("not enough memory")
-        || msg.contains("can't allocate")
-    {
-        Error::Model(format!(
-            "out of memory: {first}; lower `batch_size` (and raise `grad_accum` to keep the \
-             effective batch), lower `eval_batch_size`, or tokenize with a smaller `max_length`"
-        ))
-    } else {
-        Error::Model(format!("libtorch failed: {first}"))
-    }
-}
+/// What to lower when training runs out of memory.
+const OOM_HINT: &str = "lower `batch_size` (and raise `grad_accum` to keep the effective batch), \
+                        lower `eval_batch_size`, or tokenize with a smaller `max_length`";
