@@ -11,6 +11,7 @@ use datafusion::physical_plan::SendableRecordBatchStream;
 use datafusion::physical_plan::streaming::PartitionStream;
 use datafusion::prelude::SessionContext;
 use deltalake::DeltaTable;
+use deltalake::kernel::Transaction;
 use deltalake::kernel::transaction::CommitProperties;
 use deltalake::operations::write::SchemaMode;
 use deltalake::protocol::SaveMode;
@@ -88,6 +89,52 @@ impl LastCommit {
     }
 }
 
+/// The version the app transaction `app_id` last recorded in `table`, if any.
+pub(crate) async fn txn_version(table: &DeltaTable, app_id: &str) -> Result<Option<i64>> {
+    table
+        .snapshot()
+        .map_err(|e| Error::delta("reading the table's state", e))?
+        .transaction_version(table.log_store().as_ref(), app_id)
+        .await
+        .map_err(|e| Error::delta("reading the table's app transactions", e))
+}
+
+/// lakeml's entry in the latest of the last `depth` commits whose entry says `key = value`.
+pub(crate) async fn find_commit(
+    table: &DeltaTable,
+    depth: usize,
+    key: &str,
+    value: &str,
+) -> Result<Option<Value>> {
+    let mut history = table.history(Some(depth));
+    while let Some(info) = history.next().await {
+        let info = info.map_err(|e| Error::delta("reading the table's history", e))?;
+        if let Some(tag) = info.info.get(COMMIT_KEY)
+            && tag
+                .pointer(&format!("/extra/{key}"))
+                .and_then(Value::as_str)
+                == Some(value)
+        {
+            return Ok(Some(tag.clone()));
+        }
+    }
+    Ok(None)
+}
+
+/// True when `e` says another writer committed to the table first, in a way this commit
+/// cannot be reconciled with (the same job, the same files, or the table's creation).
+pub(crate) fn is_conflict(e: &deltalake::DeltaTableError) -> bool {
+    use deltalake::kernel::transaction::TransactionError;
+    matches!(
+        e,
+        deltalake::DeltaTableError::Transaction {
+            source: TransactionError::CommitConflict(_)
+                | TransactionError::VersionAlreadyExists(_)
+                | TransactionError::MaxCommitAttempts(_)
+        }
+    )
+}
+
 /// Writes `stream` to the Delta table `def` (opened as `target`, or created) in one commit.
 ///
 /// Nothing is visible to readers until the commit: a failed or killed run leaves data files
@@ -99,15 +146,19 @@ pub(crate) async fn write_stream(
     stream: SendableRecordBatchStream,
     mode: WriteMode,
     tag: &CommitTag,
+    txn: Option<Transaction>,
 ) -> Result<DeltaTable> {
     let plan = stream_plan(ctx, stream)?;
+    let creating = target.is_none();
     let table = match target {
         Some(table) => table,
         None => {
             std::fs::create_dir_all(&def.path)
                 .map_err(|e| Error::io(format!("creating {}", def.path.display()), e))?;
-            DeltaTable::try_from_url(def.url()?)
-                .await
+            // Not loaded, even if another writer has created the table since: this commit
+            // then conflicts with theirs instead of silently building on rows it never saw.
+            deltalake::DeltaTableBuilder::from_url(def.url()?)
+                .and_then(|b| b.build())
                 .map_err(|e| Error::delta(format!("table `{}`", def.name), e))?
         }
     };
@@ -124,6 +175,17 @@ pub(crate) async fn write_stream(
         "extra": tag.extra,
         "lakeml_version": env!("CARGO_PKG_VERSION"),
     });
+    let mut properties =
+        CommitProperties::default().with_metadata([(COMMIT_KEY.to_string(), metadata)]);
+    if let Some(txn) = txn {
+        properties = properties.with_application_transaction(txn);
+    }
+    if creating {
+        // delta-rs 1.1 retries a create that lost the race for version 0 on top of the
+        // winner's commit without checking it for conflicts (not even the txn), which would
+        // silently add rows the winner already has. A create gets one attempt instead.
+        properties = properties.with_max_retries(0);
+    }
     let mut builder = table
         .write(Vec::new())
         .with_input_plan(plan)
@@ -131,9 +193,7 @@ pub(crate) async fn write_stream(
         .with_save_mode(save)
         .with_table_name(def.name.clone())
         .with_target_file_size(NonZeroU64::new(TARGET_FILE_BYTES))
-        .with_commit_properties(
-            CommitProperties::default().with_metadata([(COMMIT_KEY.to_string(), metadata)]),
-        );
+        .with_commit_properties(properties);
     if let Some(schema_mode) = schema_mode {
         builder = builder.with_schema_mode(schema_mode);
     }

@@ -21,6 +21,8 @@ mod error;
 mod fingerprint;
 mod model;
 mod plan;
+mod predict;
+mod query;
 mod report;
 mod runtime;
 mod stages;

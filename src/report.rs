@@ -113,13 +113,14 @@ impl fmt::Display for StageReport {
         }
         let version = self.version.map(|v| format!(" v{v}")).unwrap_or_default();
         if self.cached {
+            let rows = match self.rows_out {
+                0 => String::new(),
+                n => format!(" ({} rows)", thousands(n)),
+            };
             return write!(
                 f,
-                "{} {} -> {}{version}: up to date ({} rows), skipped",
-                self.kind,
-                self.stage,
-                self.table,
-                thousands(self.rows_out)
+                "{} {} -> {}{version}: up to date{rows}, skipped",
+                self.kind, self.stage, self.table
             );
         }
         write!(

@@ -65,6 +65,7 @@ pub(crate) struct StageSpec {
     pub write: Option<WriteSpec>,
     pub tokenize: Option<TokenizeSpec>,
     pub train: Option<Box<TrainSpec>>,
+    pub predict: Option<Box<PredictSpec>>,
 }
 
 /// A stage by kind, once checked that exactly one kind is given.
@@ -72,16 +73,19 @@ pub(crate) enum StageKind {
     Write(WriteSpec),
     Tokenize(TokenizeSpec),
     Train(Box<TrainSpec>),
+    Predict(Box<PredictSpec>),
 }
 
 impl StageSpec {
     pub(crate) fn kind(self) -> Result<StageKind, String> {
-        match (self.write, self.tokenize, self.train) {
-            (Some(w), None, None) => Ok(StageKind::Write(w)),
-            (None, Some(t), None) => Ok(StageKind::Tokenize(t)),
-            (None, None, Some(t)) => Ok(StageKind::Train(t)),
+        match (self.write, self.tokenize, self.train, self.predict) {
+            (Some(w), None, None, None) => Ok(StageKind::Write(w)),
+            (None, Some(t), None, None) => Ok(StageKind::Tokenize(t)),
+            (None, None, Some(t), None) => Ok(StageKind::Train(t)),
+            (None, None, None, Some(p)) => Ok(StageKind::Predict(p)),
             _ => Err(
-                "a stage is a map with exactly one key, its kind: `write`, `tokenize` or `train`"
+                "a stage is a map with exactly one key, its kind: `write`, `tokenize`, \
+                 `train` or `predict`"
                     .into(),
             ),
         }
@@ -255,6 +259,70 @@ pub(crate) struct TrainSpec {
     pub threads: Option<usize>,
     #[serde(default)]
     pub tracking: TrackingSpec,
+}
+
+/// `predict`: a model over a table's text; the predictions go into a Delta table, exactly
+/// once per source version.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct PredictSpec {
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub source: Source,
+    /// A trained HF model directory (config.json with id2label, safetensors, tokenizer.json).
+    pub model: String,
+    /// The predictions Delta table (a name from `tables`).
+    pub to: String,
+    #[serde(default = "default_id")]
+    pub id: String,
+    #[serde(default = "default_text")]
+    pub text: String,
+    pub text_pair: Option<String>,
+    /// Columns carried through unchanged (e.g. the true label, for evaluation).
+    #[serde(default)]
+    pub keep: Vec<String>,
+    #[serde(default)]
+    pub mode: PredictMode,
+    /// The job's key in the table's Delta app transactions (default `lakeml/<pipeline>/<stage>`).
+    pub job: Option<String>,
+    /// The class names the model must have (checked against its `id2label`).
+    pub labels: Option<Vec<String>>,
+    /// Most tokens per row; longer rows are cut (default: the model's positions, at most 512).
+    pub max_length: Option<usize>,
+    #[serde(default)]
+    pub truncation: Truncation,
+    /// Padded tokens per forward pass (rows sorted by length fill it).
+    pub batch_tokens: Option<usize>,
+    /// `auto` (CUDA when present), `cpu`, `cuda` or `cuda:N`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Default: fp32 on CPU, bf16 on CUDA.
+    pub precision: Option<Precision>,
+    /// Intra-op threads for libtorch, over all replicas (default: all cores).
+    pub threads: Option<usize>,
+    /// Copies of the model run side by side on CPU, each on `threads / replicas` threads.
+    pub replicas: Option<usize>,
+    /// Also write the raw logits (`logits list<float32>`).
+    #[serde(default)]
+    pub logits: bool,
+    #[serde(default)]
+    pub on_null: OnBad,
+    #[serde(default)]
+    pub on_empty: OnEmpty,
+    /// Rows read, tokenized and sorted by length together.
+    #[serde(default = "default_batch_rows")]
+    pub batch_rows: usize,
+}
+
+/// How a predict stage treats rows already in its table.
+#[derive(Debug, Clone, Copy, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum PredictMode {
+    /// Append predictions for the ids the table does not hold yet.
+    #[default]
+    Incremental,
+    /// Replace the table with predictions for every row.
+    Overwrite,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
@@ -541,6 +609,11 @@ const KNOWN_KEYS: &[&str] = &[
     "uri",
     "experiment",
     "run_name",
+    "predict",
+    "job",
+    "batch_tokens",
+    "replicas",
+    "logits",
 ];
 
 /// The known word within edit distance 2 of `word`, if any.

@@ -7,6 +7,7 @@ use datafusion::prelude::SessionContext;
 
 use super::{Query, TokenizeStage};
 use crate::catalog::TableDef;
+use crate::tokenize::RowPolicy;
 
 /// Text columns may be any string or binary type (binary is checked for UTF-8 per row).
 fn is_text(t: &DataType) -> bool {
@@ -55,23 +56,39 @@ pub(super) fn column_list(schema: &Schema) -> String {
 }
 
 pub(super) fn check_tokenize_columns(t: &TokenizeStage, schema: &Schema) -> Result<(), String> {
+    check_row_columns(
+        &t.field,
+        &t.policy,
+        t.labels.is_some(),
+        &["input_ids", "length", "label"],
+        schema,
+    )
+}
+
+/// The columns a row policy names (id, text, text pair, label, keep) against a query's
+/// schema; `reserved` are the names the stage writes itself.
+pub(super) fn check_row_columns(
+    field: &str,
+    p: &RowPolicy,
+    has_labels: bool,
+    reserved: &[&str],
+    schema: &Schema,
+) -> Result<(), String> {
     let get =
         |key: &str, name: &str| {
             schema.field_with_name(name).map(|f| f.data_type().clone()).map_err(|_| {
             format!(
-                "{}.{key}: column `{name}` not found in the stage's query (columns: {}); fix \
-                 the column name or the query",
-                t.field,
+                "{field}.{key}: column `{name}` not found in the stage's query (columns: {}); \
+                 fix the column name or the query",
                 column_list(schema)
             )
         })
         };
-    let p = &t.policy;
     let id = get("id", &p.id)?;
     if !(id.is_integer() || is_string(&id)) {
         return Err(format!(
-            "{}.id: column `{}` has type {id}; ids must be integers or strings",
-            t.field, p.id
+            "{field}.id: column `{}` has type {id}; ids must be integers or strings",
+            p.id
         ));
     }
     for (key, name) in [("text", Some(&p.text)), ("text_pair", p.text_pair.as_ref())] {
@@ -79,9 +96,8 @@ pub(super) fn check_tokenize_columns(t: &TokenizeStage, schema: &Schema) -> Resu
             let ty = get(key, name)?;
             if !is_text(&ty) {
                 return Err(format!(
-                    "{}.{key}: column `{name}` has type {ty}; text must be a string or binary \
-                     column (cast it in the query)",
-                    t.field
+                    "{field}.{key}: column `{name}` has type {ty}; text must be a string or \
+                     binary column (cast it in the query)"
                 ));
             }
         }
@@ -90,25 +106,22 @@ pub(super) fn check_tokenize_columns(t: &TokenizeStage, schema: &Schema) -> Resu
         let ty = get("label", label)?;
         if !(ty.is_integer() || is_string(&ty)) {
             return Err(format!(
-                "{}.label: column `{label}` has type {ty}; labels must be integers or strings",
-                t.field
+                "{field}.label: column `{label}` has type {ty}; labels must be integers or strings"
             ));
         }
-        if t.labels.is_some() && !is_string(&ty) {
+        if has_labels && !is_string(&ty) {
             return Err(format!(
-                "{}.labels: column `{label}` holds integers, which are used as class ids as \
-                 they are; remove `labels`",
-                t.field
+                "{field}.labels: column `{label}` holds integers, which are used as class ids \
+                 as they are; remove `labels`"
             ));
         }
     }
-    let reserved = ["input_ids", "length", "label"];
     for name in &p.keep {
         get("keep", name)?;
         if reserved.contains(&name.as_str()) || *name == p.id {
             return Err(format!(
-                "{}.keep: `{name}` is a column the stage writes itself; rename it in the query",
-                t.field
+                "{field}.keep: `{name}` is a column the stage writes itself; rename it in the \
+                 query"
             ));
         }
     }
@@ -127,7 +140,8 @@ pub(super) fn schema_diff(table: &Schema, query: &Schema) -> Result<(), String> 
     let same = table.fields().len() == query.fields().len()
         && table.fields().iter().all(|f| {
             query.field_with_name(f.name()).is_ok_and(|q| {
-                q.data_type() == f.data_type()
+                // Delta names list items `element`; Arrow's default is `item`.
+                q.data_type().equals_datatype(f.data_type())
                     || (is_string(q.data_type()) && is_string(f.data_type()))
             })
         });

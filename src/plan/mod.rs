@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod checks;
+mod predict;
 mod tables;
 mod train;
 
@@ -13,11 +14,12 @@ use arrow::datatypes::Schema;
 use datafusion::prelude::SessionContext;
 
 use crate::catalog::{self, TableDef, TableKind};
-use crate::config::{PipelineFile, Source, StageKind, WriteMode};
+use crate::config::{PipelineFile, PredictMode, Source, StageKind, WriteMode};
 use crate::error::{Error, Result};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
 pub(crate) use checks::is_string;
-use checks::{check_tokenize_columns, plan_schema, schema_diff};
+use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
+pub(crate) use predict::model_labels;
 use tables::table_def;
 
 /// A validated pipeline, ready to run.
@@ -34,6 +36,7 @@ pub(crate) enum Stage {
     Write(WriteStage),
     Tokenize(TokenizeStage),
     Train(Box<crate::train::TrainStage>),
+    Predict(Box<crate::predict::PredictStage>),
 }
 
 /// SQL a stage reads, and where it came from (for error messages).
@@ -72,6 +75,7 @@ impl Stage {
             Stage::Write(s) => &s.name,
             Stage::Tokenize(s) => &s.name,
             Stage::Train(s) => &s.name,
+            Stage::Predict(s) => &s.name,
         }
     }
 
@@ -81,6 +85,7 @@ impl Stage {
             Stage::Write(s) => Some(&s.to),
             Stage::Tokenize(s) => Some(&s.to),
             Stage::Train(_) => None,
+            Stage::Predict(s) => Some(&s.to),
         }
     }
 }
@@ -222,6 +227,11 @@ impl Pipeline {
                 StageKind::Train(t) => {
                     Stage::Train(Box::new(train::train_stage(&base, i, *t).map_err(err)?))
                 }
+                StageKind::Predict(p) => {
+                    let stage = predict::predict_stage(&base, i, *p, &stages).map_err(err)?;
+                    output_table(&tables, &stage.to, &stage.field).map_err(err)?;
+                    Stage::Predict(Box::new(stage))
+                }
             };
             if !names.insert(stage.name().to_string()) {
                 return Err(err(format!(
@@ -314,6 +324,20 @@ impl Pipeline {
                         .map_err(err)?;
                     train::check_train_columns(t, &schema).map_err(err)?;
                 }
+                Stage::Predict(p) => {
+                    let schema = plan_schema(ctx, &p.query, &self.tables)
+                        .await
+                        .map_err(err)?;
+                    let mut reserved = vec!["input_ids", "length"];
+                    reserved.extend(predict::PREDICT_COLUMNS);
+                    check_row_columns(&p.field, &p.policy, false, &reserved, &schema)
+                        .map_err(err)?;
+                    let tokenized = tokenize::output_schema(&schema, &p.policy)?;
+                    let out =
+                        crate::predict::output_schema(&tokenized, &p.policy, p.settings.logits);
+                    self.check_predict_target(p, &out).await.map_err(err)?;
+                    catalog::register_planned(ctx, &p.to, out)?;
+                }
             }
         }
         Ok(())
@@ -348,6 +372,33 @@ impl Pipeline {
                 })
             }
         }
+    }
+}
+
+impl Pipeline {
+    /// An incremental predict stage appends to its table: the columns must match.
+    async fn check_predict_target(
+        &self,
+        p: &crate::predict::PredictStage,
+        schema: &Schema,
+    ) -> Result<(), String> {
+        let def = &self.tables[&p.to];
+        if p.mode == PredictMode::Overwrite || !catalog::delta_exists(&def.path) {
+            return Ok(());
+        }
+        let table = def.open_delta(None).await.map_err(|e| e.to_string())?;
+        let existing = table
+            .snapshot()
+            .map_err(|e| e.to_string())?
+            .snapshot()
+            .arrow_schema();
+        schema_diff(&existing, schema).map_err(|d| {
+            format!(
+                "{}: table `{}` does not hold predictions of this shape, so new ones cannot be \
+                 appended: {d}; write to another table, or use `mode: overwrite`",
+                p.field, p.to
+            )
+        })
     }
 }
 

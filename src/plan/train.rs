@@ -36,7 +36,7 @@ fn metric(field: &str, key: &str, name: &str) -> Result<String, String> {
     }
 }
 
-fn device(field: &str, spec: &str) -> Result<tch::Device, String> {
+pub(super) fn device(field: &str, spec: &str) -> Result<tch::Device, String> {
     let cuda = |i: usize| {
         if !tch::Cuda::is_available() {
             Err(format!(

@@ -1,5 +1,6 @@
 //! Runs a validated pipeline: one SQL session, stages in order, a report per stage.
 
+mod predict;
 mod tokenize;
 mod write;
 
@@ -119,6 +120,7 @@ async fn commit(
     stream: SendableRecordBatchStream,
     mode: WriteMode,
     tag: CommitTag,
+    txn: Option<deltalake::kernel::Transaction>,
 ) -> Result<DeltaTable> {
     // A stage's own error inside its stream (a bad row) reaches us flattened into a string by
     // delta-rs, so the first one is kept as it passes, to report in the stage's own words.
@@ -136,9 +138,19 @@ async fn commit(
         })
     };
     let watched = Box::pin(RecordBatchStreamAdapter::new(schema, watched));
-    delta::write_stream(ctx, def, target, watched, mode, &tag)
+    delta::write_stream(ctx, def, target, watched, mode, &tag, txn)
         .await
         .map_err(|e| {
+            if let Error::Delta { source, .. } = &e
+                && delta::is_conflict(source)
+            {
+                return Error::Data(format!(
+                    "stage `{}`: another run committed to table `{}` while this one was \
+                     writing; this run's output was not committed, and the table holds the \
+                     other run's commit intact; rerun to add what is still missing",
+                    tag.stage, def.name
+                ));
+            }
             let ours = first_error.lock().ok().and_then(|mut slot| slot.take());
             let cause = ours.unwrap_or_else(|| match &e {
                 Error::Delta { source, .. } => source.to_string(),
@@ -185,6 +197,7 @@ impl Pipeline {
                 Stage::Write(w) => write::run(&run, w).await?,
                 Stage::Tokenize(t) => tokenize::run(&run, t).await?,
                 Stage::Train(t) => crate::train::run(&run, t).await?,
+                Stage::Predict(p) => predict::run(&run, p).await?,
             };
             report.seconds = started.elapsed().as_secs_f64();
             if let Some(table) = stage.to() {

@@ -39,6 +39,9 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
     columns.extend(policy.text_pair.as_deref());
     columns.extend(policy.label.as_deref());
     columns.extend(policy.keep.iter().map(String::as_str));
+    // A kept column may also be the text (kept for reference): select it once.
+    let mut seen = std::collections::HashSet::new();
+    columns.retain(|c| seen.insert(*c));
     let df = ctx
         .sql(&stage.query.sql)
         .await
@@ -152,6 +155,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
         Box::pin(RecordBatchStreamAdapter::new(schema, tokenized)),
         WriteMode::Overwrite,
         run.tag(&stage.name, fingerprint, extra),
+        None,
     )
     .await;
     bar.finish_and_clear();

@@ -70,6 +70,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &WriteStage) -> Result<StageReport
         Box::pin(RecordBatchStreamAdapter::new(schema, counted)),
         stage.mode,
         run.tag(&stage.name, fingerprint, json!({})),
+        None,
     )
     .await?;
     bar.finish_and_clear();

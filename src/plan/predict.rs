@@ -1,0 +1,178 @@
+//! Planning a `predict` stage: the model directory (or the train stage that will write it),
+//! its labels, the device and the batching settings, checked before any work.
+
+use std::path::Path;
+
+use super::train::device;
+use super::{Stage, query, resolve};
+use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictSpec};
+use crate::model::ModelConfig;
+use crate::predict::{PredictSettings, PredictStage};
+use crate::tokenize::RowPolicy;
+
+/// Most tokens per row when neither the pipeline nor the model says fewer.
+const DEFAULT_MAX_LENGTH: usize = 512;
+
+/// Padded tokens per forward pass: on CPU, larger passes gain nothing and leave the cache;
+/// a GPU wants many rows at once.
+const CPU_BATCH_TOKENS: usize = 4096;
+const CUDA_BATCH_TOKENS: usize = 65536;
+
+/// Checks that the model in `dir` is a trained classifier whose labels match `expected`.
+pub(crate) fn model_labels(
+    dir: &Path,
+    config: &ModelConfig,
+    expected: Option<&[String]>,
+) -> Result<Vec<String>, String> {
+    let labels = config.labels().map_err(|e| e.to_string())?.ok_or_else(|| {
+        format!(
+            "`{}`: config.json has no id2label, so this is not a fine-tuned classifier; give \
+             the `model/` directory a train stage writes",
+            dir.display()
+        )
+    })?;
+    if labels.len() < 2 {
+        return Err(format!(
+            "`{}`: config.json's id2label lists {} class(es); a classifier needs at least 2",
+            dir.display(),
+            labels.len()
+        ));
+    }
+    if let Some(expected) = expected
+        && expected != labels.as_slice()
+    {
+        return Err(format!(
+            "the model's labels do not match: `{}` has id2label [{}], the stage expects [{}]; \
+             use the model trained for these labels, or fix `labels`",
+            dir.display(),
+            labels.join(", "),
+            expected.join(", ")
+        ));
+    }
+    Ok(labels)
+}
+
+pub(super) fn predict_stage(
+    base: &Path,
+    i: usize,
+    p: PredictSpec,
+    earlier: &[Stage],
+) -> Result<PredictStage, String> {
+    let field = format!("stages[{i}].predict");
+    let f = field.as_str();
+    let query = query(base, &p.source, f)?;
+    let model = resolve(base, &p.model);
+    // The model may be the one an earlier train stage of this pipeline writes.
+    let trainer = earlier.iter().find_map(|s| match s {
+        Stage::Train(t) if t.output.join("model") == model => Some(t),
+        _ => None,
+    });
+    let config = if model.is_dir() {
+        let config = ModelConfig::load(&model).map_err(|e| format!("{f}.model: {e}"))?;
+        if !model.join("tokenizer.json").is_file() {
+            return Err(format!(
+                "{f}.model: `{}` has no tokenizer.json; a model directory holds the tokenizer \
+                 that made its training data",
+                model.display()
+            ));
+        }
+        if trainer.is_none() {
+            model_labels(&model, &config, p.labels.as_deref()).map_err(|e| format!("{f}: {e}"))?;
+        }
+        config
+    } else if let Some(t) = trainer {
+        t.config.clone()
+    } else {
+        return Err(format!(
+            "{f}.model: `{}` is not a directory; give a trained model directory (the `model/` \
+             under a train stage's `output`), or run the pipeline that trains it first",
+            model.display()
+        ));
+    };
+    if let Some(labels) = &p.labels {
+        let mut seen = std::collections::HashSet::new();
+        if labels.len() < 2 || !labels.iter().all(|l| seen.insert(l.as_str())) {
+            return Err(format!("{f}.labels: list at least two classes, each once"));
+        }
+    }
+    let device = device(f, &p.device)?;
+    let positions = usize::try_from(config.arch.max_positions()).unwrap_or(0);
+    let max_length = p.max_length.unwrap_or(DEFAULT_MAX_LENGTH.min(positions));
+    if max_length < 2 || max_length > positions {
+        return Err(format!(
+            "{f}.max_length: {max_length} is out of range; the model takes 2..={positions} tokens"
+        ));
+    }
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let threads = p.threads.unwrap_or(cores);
+    let replicas = p.replicas.unwrap_or(1);
+    let batch_tokens = p.batch_tokens.unwrap_or(if device.is_cuda() {
+        CUDA_BATCH_TOKENS
+    } else {
+        CPU_BATCH_TOKENS
+    });
+    for (key, n) in [
+        ("threads", threads),
+        ("replicas", replicas),
+        ("batch_tokens", batch_tokens),
+        ("batch_rows", p.batch_rows),
+    ] {
+        if n == 0 {
+            return Err(format!("{f}.{key}: must be at least 1"));
+        }
+    }
+    if replicas > threads {
+        return Err(format!(
+            "{f}.replicas: {replicas} replicas need at least as many `threads` ({threads})"
+        ));
+    }
+    let precision = p.precision.unwrap_or(if device.is_cuda() {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    });
+    Ok(PredictStage {
+        name: p.name.unwrap_or_else(|| format!("predict-{}", p.to)),
+        field,
+        query,
+        to: p.to,
+        model,
+        policy: RowPolicy {
+            id: p.id,
+            text: p.text,
+            text_pair: p.text_pair,
+            label: None,
+            keep: p.keep,
+            on_overlong: OnOverlong::Truncate,
+            on_null: p.on_null,
+            on_empty: p.on_empty,
+            on_invalid_utf8: OnInvalidUtf8::Error,
+        },
+        mode: p.mode,
+        job: p.job,
+        labels: p.labels,
+        device,
+        settings: PredictSettings {
+            precision,
+            max_length,
+            truncation: p.truncation,
+            batch_tokens,
+            threads,
+            replicas,
+            logits: p.logits,
+            batch_rows: p.batch_rows,
+        },
+    })
+}
+
+/// Columns the predictions table holds besides the `keep` ones.
+pub(super) const PREDICT_COLUMNS: &[&str] = &[
+    "label",
+    "label_id",
+    "score",
+    "probabilities",
+    "logits",
+    "model_version",
+    "run_id",
+    "predicted_at",
+];

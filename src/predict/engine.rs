@@ -1,0 +1,212 @@
+//! The model side of prediction: `replicas` libtorch threads, each with its own copy of the
+//! model, take windows of tokenized rows from one queue and send back their logits.
+
+use std::path::Path;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use arrow::array::{Array, AsArray, ListArray};
+use arrow::datatypes::Int32Type;
+use tch::{Device, Kind, Tensor};
+
+use super::PredictSettings;
+use crate::config::Precision;
+use crate::error::{Error, Result};
+use crate::model::{Model, ModelConfig, thread};
+
+/// What to lower when prediction runs out of memory.
+const OOM_HINT: &str = "lower `batch_tokens` (padded tokens per forward pass), or `replicas`";
+
+/// A window of tokenized rows waiting for the model.
+struct Job {
+    ids: ListArray,
+    reply: tokio::sync::oneshot::Sender<Result<Vec<f32>>>,
+}
+
+/// Model replicas behind one queue.
+pub(crate) struct Engine {
+    queue: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+/// How a replica runs its forward passes.
+#[derive(Clone, Copy)]
+struct Pass {
+    device: Device,
+    pad_id: i64,
+    batch_tokens: usize,
+    classes: usize,
+}
+
+impl Engine {
+    /// Loads `replicas` copies of the model in `dir` (with `classes` labels) and waits until
+    /// each is ready, so a bad model fails before any row is read.
+    pub(crate) async fn start(
+        dir: &Path,
+        config: &ModelConfig,
+        classes: usize,
+        device: Device,
+        settings: &PredictSettings,
+    ) -> Result<Self> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let replicas = if device.is_cuda() {
+            1
+        } else {
+            settings.replicas
+        };
+        let threads = (settings.threads / replicas).max(1);
+        let pass = Pass {
+            device,
+            pad_id: config.arch.pad_token_id(),
+            batch_tokens: settings.batch_tokens,
+            classes,
+        };
+        let mut ready = Vec::new();
+        for i in 0..replicas {
+            let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+            let (rx, config, dir) = (rx.clone(), config.clone(), dir.to_path_buf());
+            let precision = settings.precision;
+            // The thread's own result only matters for loading, which is reported on `ready`.
+            drop(thread::spawn(
+                &format!("predict-{i}"),
+                OOM_HINT,
+                move || {
+                    tch::set_num_threads(threads as i32);
+                    let loaded =
+                        thread::catch(OOM_HINT, || load(config, &dir, classes, device, precision));
+                    let model = match loaded {
+                        Ok(model) => {
+                            let _ = ready_tx.send(Ok(()));
+                            model
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return Ok(());
+                        }
+                    };
+                    serve(&model, &rx, pass);
+                    Ok(())
+                },
+            )?);
+            ready.push(ready_rx);
+        }
+        for r in ready {
+            r.await
+                .map_err(|_| Error::Internal("a model replica vanished while loading".into()))??;
+        }
+        Ok(Self {
+            queue: Mutex::new(Some(tx)),
+        })
+    }
+
+    /// Logits `[rows, classes]`, row-major, of the rows of `ids` (each a list of token ids).
+    pub(crate) async fn logits(&self, ids: ListArray) -> Result<Vec<f32>> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let sent = self
+            .queue
+            .lock()
+            .ok()
+            .and_then(|q| q.as_ref().map(|tx| tx.send(Job { ids, reply }).is_ok()));
+        if sent != Some(true) {
+            return Err(Error::Internal("the model replicas have stopped".into()));
+        }
+        answer
+            .await
+            .map_err(|_| Error::Internal("a model replica stopped mid-window".into()))?
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Closing the queue ends the replicas' loops.
+        if let Ok(mut q) = self.queue.lock() {
+            q.take();
+        }
+    }
+}
+
+/// Loads the model for inference: weights in `precision`, a trained head required.
+fn load(
+    config: ModelConfig,
+    dir: &Path,
+    classes: usize,
+    device: Device,
+    precision: Precision,
+) -> Result<Model> {
+    let mut model = Model::load(config, dir, classes as i64, device)?;
+    if !model.fresh.is_empty() {
+        return Err(Error::Model(format!(
+            "{}: the weights have no trained classification head for the {classes} labels of \
+             config.json's id2label (missing or another size: {}); predict needs a fine-tuned \
+             model, such as the `model/` directory a train stage writes",
+            dir.display(),
+            model.fresh.join(", ")
+        )));
+    }
+    if precision == Precision::Bf16 {
+        model.vs.set_kind(Kind::BFloat16);
+    }
+    model.vs.freeze();
+    Ok(model)
+}
+
+/// A replica's loop: one window at a time until the queue closes.
+fn serve(model: &Model, queue: &Mutex<mpsc::Receiver<Job>>, pass: Pass) {
+    loop {
+        let job = match queue.lock() {
+            Ok(rx) => rx.recv(),
+            Err(_) => return,
+        };
+        let Ok(job) = job else { return };
+        let result = thread::catch(OOM_HINT, || window_logits(model, &job.ids, pass));
+        let _ = job.reply.send(result);
+    }
+}
+
+/// Sorts a window's rows by length (longest first) and runs them in forward passes of at
+/// most `batch_tokens` padded tokens; returns the logits in the window's row order.
+fn window_logits(model: &Model, ids: &ListArray, pass: Pass) -> Result<Vec<f32>> {
+    let _no_grad = tch::no_grad_guard();
+    let offsets = ids.value_offsets();
+    let values = ids.values().as_primitive::<Int32Type>().values();
+    let len = |r: usize| (offsets[r + 1] - offsets[r]) as usize;
+    let rows = ids.len();
+    let mut order: Vec<usize> = (0..rows).collect();
+    order.sort_by_key(|&r| std::cmp::Reverse(len(r)));
+    let mut out = vec![0f32; rows * pass.classes];
+    let mut start = 0;
+    while start < rows {
+        let longest = len(order[start]).max(1);
+        let take = (pass.batch_tokens / longest).clamp(1, rows - start);
+        let chunk = &order[start..start + take];
+        let mut input = vec![pass.pad_id; take * longest];
+        let mut mask = vec![0i64; take * longest];
+        for (i, &r) in chunk.iter().enumerate() {
+            let row = &values[offsets[r] as usize..offsets[r + 1] as usize];
+            for (j, &t) in row.iter().enumerate() {
+                input[i * longest + j] = i64::from(t);
+                mask[i * longest + j] = 1;
+            }
+        }
+        let shape = [take as i64, longest as i64];
+        let logits = model
+            .net
+            .forward_t(
+                &Tensor::from_slice(&input)
+                    .view(shape)
+                    .to_device(pass.device),
+                &Tensor::from_slice(&mask).view(shape).to_device(pass.device),
+                false,
+            )
+            .to_device(Device::Cpu)
+            .contiguous();
+        let flat = Vec::<f32>::try_from(logits.view([-1]))
+            .map_err(|e| Error::Model(format!("reading logits back: {e}")))?;
+        for (i, &r) in chunk.iter().enumerate() {
+            out[r * pass.classes..(r + 1) * pass.classes]
+                .copy_from_slice(&flat[i * pass.classes..(i + 1) * pass.classes]);
+        }
+        start += take;
+    }
+    Ok(out)
+}

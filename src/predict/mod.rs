@@ -1,0 +1,53 @@
+//! Batch inference: a trained model over a table's text, written as a predictions table
+//! (design.md) in one Delta commit per run.
+//!
+//! Rows are read and tokenized in windows of `batch_rows`, sorted by length inside each
+//! window and cut into forward passes of at most `batch_tokens` padded tokens, so padding
+//! stays small and memory stays bounded whatever the table's size. Tokenizing the next
+//! window overlaps the model working on this one; on CPU, `replicas` copies of the model
+//! can run side by side.
+
+mod engine;
+mod output;
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+pub(crate) use engine::Engine;
+pub(crate) use output::{Meta, output_schema, predictions_batch};
+
+use crate::config::{Precision, PredictMode};
+use crate::tokenize::RowPolicy;
+
+/// A validated `predict` stage.
+#[derive(Debug)]
+pub(crate) struct PredictStage {
+    pub name: String,
+    pub field: String,
+    pub query: crate::plan::Query,
+    pub to: String,
+    pub model: PathBuf,
+    /// Columns and row policies, as for tokenize (no label).
+    pub policy: RowPolicy,
+    pub mode: PredictMode,
+    /// Key of the job in the table's Delta app transactions.
+    pub job: Option<String>,
+    /// Class names the model must have.
+    pub labels: Option<Vec<String>>,
+    pub device: tch::Device,
+    pub settings: PredictSettings,
+}
+
+/// Every setting that changes the output or its speed.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct PredictSettings {
+    pub precision: Precision,
+    pub max_length: usize,
+    pub truncation: crate::config::Truncation,
+    pub batch_tokens: usize,
+    pub threads: usize,
+    pub replicas: usize,
+    pub logits: bool,
+    pub batch_rows: usize,
+}

@@ -1,0 +1,136 @@
+//! The predictions table (design.md): `id`, `label`, `label_id`, `score`, `probabilities`,
+//! optionally `logits`, `model_version`, `run_id`, `predicted_at`, then the `keep` columns.
+
+use std::sync::Arc;
+
+use arrow::array::{
+    ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch, StringArray,
+    TimestampMicrosecondArray,
+};
+use arrow::buffer::OffsetBuffer;
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+
+use crate::error::{Error, Result};
+use crate::tokenize::RowPolicy;
+
+/// What every row of one run shares.
+#[derive(Debug, Clone)]
+pub(crate) struct Meta {
+    /// Class names by label id.
+    pub labels: Vec<String>,
+    /// sha256 of the model's config.json and weights.
+    pub model_version: String,
+    pub run_id: String,
+    /// When the run started, in microseconds since the Unix epoch (UTC).
+    pub predicted_at: i64,
+    pub logits: bool,
+}
+
+fn float_list() -> DataType {
+    DataType::List(Arc::new(Field::new_list_field(DataType::Float32, false)))
+}
+
+/// The predictions schema for a tokenized schema (`id`, `input_ids`, `length`, keep...).
+pub(crate) fn output_schema(tokenized: &Schema, policy: &RowPolicy, logits: bool) -> SchemaRef {
+    let mut fields = vec![
+        tokenized.field(0).clone(),
+        Field::new("label", DataType::Utf8, false),
+        Field::new("label_id", DataType::Int64, false),
+        Field::new("score", DataType::Float32, false),
+        Field::new("probabilities", float_list(), false),
+    ];
+    if logits {
+        fields.push(Field::new("logits", float_list(), false));
+    }
+    fields.extend([
+        Field::new("model_version", DataType::Utf8, false),
+        Field::new("run_id", DataType::Utf8, false),
+        Field::new(
+            "predicted_at",
+            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+            false,
+        ),
+    ]);
+    for name in &policy.keep {
+        if let Ok(f) = tokenized.field_with_name(name) {
+            fields.push(f.clone());
+        }
+    }
+    Arc::new(Schema::new(fields))
+}
+
+/// The predictions of one tokenized window from its logits (`[rows, classes]`, row-major).
+pub(crate) fn predictions_batch(
+    tokenized: &RecordBatch,
+    logits: &[f32],
+    meta: &Meta,
+    policy: &RowPolicy,
+    schema: &SchemaRef,
+) -> Result<RecordBatch> {
+    let rows = tokenized.num_rows();
+    let classes = meta.labels.len();
+    if logits.len() != rows * classes {
+        return Err(Error::Internal(format!(
+            "{} logits for {rows} rows of {classes} classes",
+            logits.len()
+        )));
+    }
+    let mut probabilities = Vec::with_capacity(logits.len());
+    let mut label_ids = Vec::with_capacity(rows);
+    let mut scores = Vec::with_capacity(rows);
+    for row in logits.chunks_exact(classes.max(1)) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f64> = row.iter().map(|&l| f64::from(l - max).exp()).collect();
+        let sum: f64 = exps.iter().sum();
+        let (mut best, mut best_p) = (0usize, f32::NEG_INFINITY);
+        for (i, e) in exps.iter().enumerate() {
+            let p = (e / sum) as f32;
+            if p > best_p {
+                (best, best_p) = (i, p);
+            }
+            probabilities.push(p);
+        }
+        label_ids.push(best as i64);
+        scores.push(best_p);
+    }
+    let offsets = OffsetBuffer::from_lengths(std::iter::repeat_n(classes, rows));
+    let list = |values: Vec<f32>| -> ArrayRef {
+        Arc::new(ListArray::new(
+            Arc::new(Field::new_list_field(DataType::Float32, false)),
+            offsets.clone(),
+            Arc::new(Float32Array::from(values)),
+            None,
+        ))
+    };
+    let repeat = |s: &str| -> ArrayRef { Arc::new(StringArray::from(vec![s; rows])) };
+    let column = |name: &str| {
+        tokenized
+            .column_by_name(name)
+            .cloned()
+            .ok_or_else(|| Error::Internal(format!("column `{name}` missing from a window")))
+    };
+    let mut columns: Vec<ArrayRef> = vec![
+        column(&policy.id)?,
+        Arc::new(StringArray::from_iter_values(
+            label_ids.iter().map(|&i| meta.labels[i as usize].as_str()),
+        )),
+        Arc::new(Int64Array::from(label_ids)),
+        Arc::new(Float32Array::from(scores)),
+        list(probabilities),
+    ];
+    if meta.logits {
+        columns.push(list(logits.to_vec()));
+    }
+    columns.extend([
+        repeat(&meta.model_version),
+        repeat(&meta.run_id),
+        Arc::new(
+            TimestampMicrosecondArray::from(vec![meta.predicted_at; rows]).with_timezone("UTC"),
+        ) as ArrayRef,
+    ]);
+    for name in &policy.keep {
+        columns.push(column(name)?);
+    }
+    RecordBatch::try_new(schema.clone(), columns)
+        .map_err(|e| Error::Internal(format!("building a predictions batch: {e}")))
+}

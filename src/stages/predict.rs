@@ -1,0 +1,325 @@
+//! The `predict` stage: a trained model over a table's rows, written as a predictions table
+//! in one commit that carries a Delta app transaction (`txn`) for the job, so a rerun over
+//! the same source version adds nothing and two runs of one job cannot both commit.
+
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use arrow::array::{AsArray, RecordBatch};
+use datafusion::common::JoinType;
+use datafusion::error::DataFusionError;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::prelude::{SessionContext, ident};
+use deltalake::DeltaTable;
+use deltalake::kernel::Transaction;
+use futures::StreamExt;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::Run;
+use crate::config::{PredictMode, WriteMode};
+use crate::delta;
+use crate::error::{Error, Result};
+use crate::fingerprint;
+use crate::model::{ModelConfig, weight_files};
+use crate::plan::model_labels;
+use crate::predict::{Engine, Meta, PredictStage, output_schema, predictions_batch};
+use crate::report::StageReport;
+use crate::tokenize::{self, Counters, Encoder, EncoderSettings};
+
+/// How far back a job's last commit is looked for (its labels must match the model's).
+const HISTORY_DEPTH: usize = 100;
+
+/// sha256 of the files that make the model: config.json and the weights.
+fn model_version(dir: &Path) -> Result<String> {
+    let mut hasher = Sha256::new();
+    let mut files = vec![dir.join("config.json")];
+    files.extend(weight_files(dir)?);
+    let mut buf = vec![0u8; 1 << 20];
+    for file in files {
+        let io = |e| Error::io(format!("reading {}", file.display()), e);
+        let mut f = std::fs::File::open(&file).map_err(io)?;
+        loop {
+            let n = f.read(&mut buf).map_err(io)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+        }
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// The sum of the Delta versions of the tables a query reads: it grows whenever any of
+/// them gets a new version. `None` when one of them is not a Delta table.
+fn source_version(inputs: &std::collections::BTreeMap<String, String>) -> Option<i64> {
+    // A Delta table's identity is `delta:<url>@<version>` (catalog.rs).
+    inputs
+        .values()
+        .map(|v| {
+            v.strip_prefix("delta:")
+                .and_then(|rest| rest.rsplit_once('@'))
+                .and_then(|(_, version)| version.parse::<i64>().ok())
+        })
+        .sum()
+}
+
+pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageReport> {
+    let def = &run.pipeline.tables[&stage.to];
+    let context = || format!("stage `{}` ({})", stage.name, stage.query.origin);
+    let engine_err = |e| Error::engine(context(), e);
+    let model_err = |e: String| Error::Model(format!("stage `{}`: {e}", stage.name));
+    let s = &stage.settings;
+    let mut state = run.ctx.state();
+    *state.config_mut() = state.config().clone().with_batch_size(s.batch_rows);
+    let ctx = SessionContext::new_with_state(state);
+
+    // The model is read now: an earlier train stage of this run may have just written it.
+    let config = ModelConfig::load(&stage.model).map_err(|e| model_err(e.to_string()))?;
+    let labels = model_labels(&stage.model, &config, stage.labels.as_deref()).map_err(model_err)?;
+    let encoder = Arc::new(Encoder::from_path(
+        &stage.model,
+        EncoderSettings {
+            max_length: s.max_length,
+            truncate: true,
+            truncation: s.truncation,
+            add_special_tokens: true,
+        },
+    )?);
+    let model_version = model_version(&stage.model)?;
+
+    let policy = &stage.policy;
+    let mut columns: Vec<&str> = vec![&policy.id, &policy.text];
+    columns.extend(policy.text_pair.as_deref());
+    columns.extend(policy.keep.iter().map(String::as_str));
+    // A kept column may also be the text (kept for reference): select it once.
+    let mut seen = std::collections::HashSet::new();
+    columns.retain(|c| seen.insert(*c));
+    let df = ctx
+        .sql(&stage.query.sql)
+        .await
+        .map_err(engine_err)?
+        .select_columns(&columns)
+        .map_err(engine_err)?;
+    let inputs = fingerprint::plan_inputs(df.logical_plan(), &run.identities)?;
+    let source_version = source_version(&inputs);
+    let job = stage
+        .job
+        .clone()
+        .unwrap_or_else(|| format!("lakeml/{}/{}", run.pipeline.name, stage.name));
+    let fingerprint = fingerprint::digest(&json!({
+        "kind": "predict",
+        "sql": stage.query.sql,
+        "inputs": inputs,
+        "model_version": model_version,
+        "tokenizer_sha256": encoder.sha256(),
+        "encoder": encoder.settings(),
+        "policy": policy,
+        "labels": labels,
+        "mode": stage.mode,
+        "job": job,
+        "precision": s.precision,
+        "logits": s.logits,
+    }));
+    let mut report = StageReport {
+        stage: stage.name.clone(),
+        kind: "predict".into(),
+        table: stage.to.clone(),
+        ..Default::default()
+    };
+
+    let target = delta::open_target(def).await?;
+    let done = match &target {
+        Some(table) => delta::txn_version(table, &job).await?,
+        None => None,
+    };
+    // The job's last commit to the table, if any: its labels and fingerprint.
+    let last = match &target {
+        Some(table) => delta::find_commit(table, HISTORY_DEPTH, "job", &job).await?,
+        None => None,
+    };
+    let covered = matches!((done, source_version), (Some(d), Some(v)) if d >= v);
+    let unchanged = last
+        .as_ref()
+        .and_then(|tag| tag.get("fingerprint"))
+        .and_then(serde_json::Value::as_str)
+        == Some(fingerprint.as_str());
+    if covered && unchanged && !run.options.force {
+        // This job already committed these predictions for this version of its source.
+        return Ok(StageReport {
+            cached: true,
+            version: target.as_ref().and_then(DeltaTable::version),
+            ..report
+        });
+    }
+
+    let mut df = df;
+    if let (PredictMode::Incremental, Some(table)) = (stage.mode, &target) {
+        if let Some(before) = last.as_ref().and_then(|tag| tag.pointer("/extra/labels"))
+            && *before != json!(labels)
+        {
+            return Err(Error::Data(format!(
+                "stage `{}`: table `{}` holds this job's predictions with labels {before}, but \
+                 the model `{}` has labels {}; use `mode: overwrite`, or another table",
+                stage.name,
+                stage.to,
+                stage.model.display(),
+                json!(labels)
+            )));
+        }
+        // Only ids the table does not hold yet, read at exactly the version this commit
+        // builds on: a concurrent run of the job then conflicts on the txn.
+        let provider = table.table_provider().await.map_err(engine_err)?;
+        let have = ctx
+            .read_table(provider)
+            .map_err(engine_err)?
+            .select(vec![ident(&policy.id).alias("__lakeml_have")])
+            .map_err(engine_err)?;
+        df = have
+            .join(
+                df,
+                JoinType::RightAnti,
+                &["__lakeml_have"],
+                &[policy.id.as_str()],
+                None,
+            )
+            .map_err(engine_err)?;
+        if df.clone().count().await.map_err(engine_err)? == 0 {
+            return Ok(StageReport {
+                cached: true,
+                version: table.version(),
+                ..report
+            });
+        }
+    }
+
+    let engine = Arc::new(
+        Engine::start(
+            &stage.model,
+            &config,
+            labels.len(),
+            stage.device,
+            &stage.settings,
+        )
+        .await
+        .map_err(|e| model_err(e.to_string()))?,
+    );
+    let run_id = uuid::Uuid::new_v4().to_string();
+    let meta = Arc::new(Meta {
+        labels: labels.clone(),
+        model_version: model_version.clone(),
+        run_id: run_id.clone(),
+        predicted_at: chrono::Utc::now().timestamp_micros(),
+        logits: s.logits,
+    });
+    let stream = df.execute_stream().await.map_err(engine_err)?;
+    let tokenized_schema = tokenize::output_schema(&stream.schema(), policy)?;
+    let schema = output_schema(&tokenized_schema, policy, s.logits);
+    let counters = Arc::new(Counters::default());
+    let bar = run.progress(&stage.name);
+    let in_flight = if stage.device.is_cuda() {
+        2
+    } else {
+        s.replicas + 1
+    };
+    let predicted = {
+        let (schema, counters, progress, bar) = (
+            schema.clone(),
+            counters.clone(),
+            counters.clone(),
+            bar.clone(),
+        );
+        let policy = Arc::new(policy.clone());
+        let external = |e: Error| DataFusionError::External(Box::new(e));
+        stream
+            .map(move |batch| {
+                let (tokenized_schema, schema, counters, policy, encoder, engine, meta) = (
+                    tokenized_schema.clone(),
+                    schema.clone(),
+                    counters.clone(),
+                    policy.clone(),
+                    encoder.clone(),
+                    engine.clone(),
+                    meta.clone(),
+                );
+                async move {
+                    let batch = batch?;
+                    let tokenized = {
+                        let policy = policy.clone();
+                        tokio::task::spawn_blocking(move || {
+                            tokenize::tokenize_batch(
+                                &batch,
+                                &encoder,
+                                &policy,
+                                None,
+                                &tokenized_schema,
+                                &counters,
+                            )
+                        })
+                        .await
+                        .map_err(|e| DataFusionError::External(Box::new(e)))?
+                        .map_err(external)?
+                    };
+                    if tokenized.num_rows() == 0 {
+                        return Ok(RecordBatch::new_empty(schema));
+                    }
+                    let ids = tokenized.column(1).as_list::<i32>().clone();
+                    let logits = engine.logits(ids).await.map_err(external)?;
+                    predictions_batch(&tokenized, &logits, &meta, &policy, &schema)
+                        .map_err(external)
+                }
+            })
+            .buffered(in_flight)
+            .inspect(move |result| {
+                if result.is_ok() {
+                    bar.set_message(format!(
+                        "{} rows predicted",
+                        progress.rows_out.load(Ordering::Relaxed)
+                    ));
+                }
+            })
+    };
+    let txn_version = source_version.unwrap_or_else(|| done.unwrap_or(0) + 1);
+    let extra = json!({
+        "job": job,
+        "labels": labels,
+        "model": stage.model.display().to_string(),
+        "model_version": model_version,
+        "run_id": run_id,
+        "mode": stage.mode,
+        "source_version": source_version,
+    });
+    let mode = match stage.mode {
+        PredictMode::Incremental => WriteMode::Append,
+        PredictMode::Overwrite => WriteMode::Overwrite,
+    };
+    let written = super::commit(
+        &ctx,
+        def,
+        target,
+        Box::pin(RecordBatchStreamAdapter::new(schema, predicted)),
+        mode,
+        run.tag(&stage.name, fingerprint, extra),
+        Some(Transaction::new(&job, txn_version)),
+    )
+    .await;
+    bar.finish_and_clear();
+    let table = written?;
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    report.version = table.version();
+    report.rows_in = load(&counters.rows_in);
+    report.rows_out = load(&counters.rows_out);
+    report.tokens = load(&counters.tokens);
+    report.rows_by_outcome = [
+        ("truncated", load(&counters.truncated)),
+        ("skipped_null", load(&counters.skipped_null)),
+        ("skipped_empty", load(&counters.skipped_empty)),
+        ("kept_empty", load(&counters.kept_empty)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    Ok(report)
+}
