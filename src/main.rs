@@ -39,6 +39,13 @@ enum Command {
         /// The pipeline file (YAML).
         file: PathBuf,
     },
+    /// Run a SQL query over a pipeline's tables and print the result.
+    Sql {
+        /// The pipeline file (YAML) whose tables the query reads.
+        file: PathBuf,
+        /// The query, e.g. "SELECT label, count(*) FROM predictions GROUP BY label".
+        query: String,
+    },
     /// Show what this build links: libtorch, threads, CUDA devices.
     Info,
 }
@@ -91,6 +98,20 @@ fn run(cli: Cli) -> lakeml::Result<()> {
                     println!("{report}");
                 }
             }
+            if !json {
+                let summary = pipeline.summary(&reports);
+                if !summary.is_empty() {
+                    println!("{summary}");
+                }
+            }
+            Ok(())
+        }
+        Command::Sql { file, query } => {
+            let pipeline = Pipeline::load(&file)?;
+            let batches = runtime.block_on(pipeline.sql(&query))?;
+            let table = arrow::util::pretty::pretty_format_batches(&batches)
+                .map_err(|e| lakeml::Error::Internal(format!("printing the result: {e}")))?;
+            println!("{table}");
             Ok(())
         }
         Command::Validate { file } => {

@@ -1,0 +1,67 @@
+//! Ad-hoc SQL over a pipeline's tables (`pipeline sql`), and the summary a run ends with:
+//! where the model and tables are, and how to query them.
+
+use std::fmt::Write;
+
+use arrow::array::RecordBatch;
+
+use crate::catalog;
+use crate::error::{Error, Result};
+use crate::plan::Pipeline;
+use crate::report::StageReport;
+
+impl Pipeline {
+    /// Runs `sql` over the pipeline's tables as they are now (Delta tables at their latest
+    /// version) and returns the result.
+    pub async fn sql(&self, sql: &str) -> Result<Vec<RecordBatch>> {
+        let ctx = catalog::session();
+        self.register_tables(&ctx).await?;
+        let df = ctx
+            .sql(sql)
+            .await
+            .map_err(|e| Error::engine("the query", e))?;
+        df.collect()
+            .await
+            .map_err(|e| Error::engine("the query", e))
+    }
+
+    /// What a run produced, for people: the model, the tables written, and a query to try
+    /// (empty when the run wrote nothing worth pointing at).
+    pub fn summary(&self, reports: &[StageReport]) -> String {
+        let mut out = String::new();
+        for r in reports.iter().filter(|r| r.kind == "train") {
+            let _ = write!(out, "\n  model: {}", r.table);
+            if let Some(acc) = r.metrics.get("test_accuracy") {
+                let f1 = r.metrics.get("test_f1_macro").copied().unwrap_or(f64::NAN);
+                let _ = write!(out, " (test accuracy {acc:.4}, f1_macro {f1:.4})");
+            }
+        }
+        let written: Vec<&StageReport> = reports
+            .iter()
+            .filter(|r| self.tables.contains_key(&r.table))
+            .collect();
+        for r in &written {
+            let version = r.version.map(|v| format!(" v{v}")).unwrap_or_default();
+            let path = self.tables[&r.table].path.display();
+            let _ = write!(out, "\n  table {}{version}: {path}", r.table);
+        }
+        let predictions = written.iter().rev().find(|r| r.kind == "predict");
+        let query = match (predictions, written.last()) {
+            (Some(p), _) => Some(format!(
+                "SELECT label, count(*) AS n, avg(score) AS mean_score FROM {} GROUP BY label",
+                p.table
+            )),
+            (None, Some(last)) => Some(format!("SELECT * FROM {} LIMIT 5", last.table)),
+            (None, None) => None,
+        };
+        if let Some(query) = query {
+            let file = self.file.display();
+            let _ = write!(out, "\n  query: pipeline sql {file} \"{query}\"");
+        }
+        if out.is_empty() {
+            out
+        } else {
+            format!("summary:{out}")
+        }
+    }
+}
