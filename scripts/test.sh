@@ -5,6 +5,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_venv
 ensure_assets
 ensure_mlflow
+ensure_java
 cd "$LAKEML_ROOT"
 log "cargo fmt --check"
 cargo fmt --check

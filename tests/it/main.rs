@@ -6,6 +6,7 @@ mod common;
 mod mlflow;
 #[path = "../support/mlflow_server.rs"]
 mod mlflow_server;
+mod predict;
 mod real_data;
 mod tokenize;
 mod train;

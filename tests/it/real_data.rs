@@ -4,13 +4,17 @@
 use crate::common::{Scratch, python, repo};
 
 /// A copy of the repo's pipeline and SQL in a scratch dir, so its `../lake` lands there;
-/// without its train stage unless `train`.
+/// without its train and predict stages unless `train`.
 fn shipped_pipeline(train: bool) -> Scratch {
     let s = Scratch::new();
     for file in ["pipelines/train.yaml", "sql/ingest_reviews.sql"] {
         let mut text = std::fs::read_to_string(repo().join(file)).expect("read shipped file");
         if !train && let Some(at) = text.find("\n  - train:") {
             text.truncate(at + 1);
+            text = text.replace(
+                "  review_predictions:\n    delta: ../lake/review_predictions\n",
+                "",
+            );
         }
         s.write(file, &text);
     }
@@ -98,7 +102,7 @@ fn shipped_pipeline_tokenizes_every_review_as_transformers_does() {
 fn shipped_pipeline_fine_tunes_minilm_to_hf_trainer_accuracy() {
     let s = shipped_pipeline(true);
     let reports = s.run_ok(&["pipelines/train.yaml"]);
-    assert_eq!(reports.len(), 3, "{reports:?}");
+    assert_eq!(reports.len(), 4, "{reports:?}");
     let train = &reports[2];
     assert_eq!(train["kind"], "train");
     let m = &train["metrics"];
@@ -116,6 +120,57 @@ fn shipped_pipeline_fine_tunes_minilm_to_hf_trainer_accuracy() {
         ],
     );
     assert_eq!(hf["accuracy"], m["test_accuracy"], "{hf} vs {m}");
+
+    // The predict stage scored the same held-out reviews with the model just trained: its
+    // accuracy against the true labels is the test accuracy the train stage reported.
+    let predict = &reports[3];
+    assert_eq!(predict["kind"], "predict");
+    let table = python(
+        "read_delta.py",
+        &[s.path().join("lake/review_predictions").to_str().unwrap()],
+    );
+    let rows = table["rows"].as_array().expect("rows");
+    assert_eq!(predict["rows_out"].as_u64(), Some(rows.len() as u64));
+    let ids: std::collections::HashSet<_> = rows.iter().map(|r| r["id"].clone()).collect();
+    assert_eq!(ids.len(), rows.len(), "one row per id");
+    let right = rows
+        .iter()
+        .filter(|r| r["label"] == r["true_label"])
+        .count();
+    let predicted = right as f64 / rows.len() as f64;
+    assert!(
+        (predicted - accuracy).abs() <= 1.0 / rows.len() as f64,
+        "predictions' accuracy {predicted} vs the train stage's test accuracy {accuracy}"
+    );
+
     let again = s.run_ok(&["pipelines/train.yaml"]);
     assert!(again.iter().all(|r| r["cached"] == true), "{again:?}");
+
+    // The human run ends with a summary whose query works as printed.
+    let out = s.pipeline(&["run", "-q", "pipelines/train.yaml"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("summary:") && stdout.contains("review_predictions"),
+        "{stdout}"
+    );
+    let query = stdout
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("query: pipeline sql pipelines/train.yaml ")
+        })
+        .expect("a query line")
+        .trim_matches('"')
+        .to_string();
+    let out = s.pipeline(&["sql", "pipelines/train.yaml", &query]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        table.contains("fresh") && table.contains("rotten"),
+        "{table}"
+    );
 }
