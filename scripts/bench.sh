@@ -3,6 +3,9 @@
 #   scripts/bench.sh tokenize [args]   lakeml tokenize vs datasets.map (benches/bench_tokenize.py)
 #   scripts/bench.sh train [args]      lakeml train vs HF Trainer (benches/bench_train.py;
 #                                      --precision fp32|bf16|both, --repeat N, --limit N, --out FILE)
+#   scripts/bench.sh predict [args]    lakeml predict vs HF pipeline and Trainer.predict
+#                                      (benches/bench_predict.py; --precision fp32|bf16|both,
+#                                      --repeats N, --rows N, --model DIR, --out FILE)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_venv
 ensure_assets
@@ -19,5 +22,6 @@ exes = [m["executable"] for m in map(json.loads, sys.stdin)
 print(exes[-1])')"
     exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_tokenize.py" --bin "$LAKEML_BIN" --core "$core" "$@" ;;
   train) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_train.py" --bin "$LAKEML_BIN" "$@" ;;
-  *) echo "unknown benchmark '$what' (known: tokenize, train)" >&2; exit 2 ;;
+  predict) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_predict.py" --bin "$LAKEML_BIN" "$@" ;;
+  *) echo "unknown benchmark '$what' (known: tokenize, train, predict)" >&2; exit 2 ;;
 esac

@@ -1,0 +1,372 @@
+"""Batch prediction benchmark: lakeml's predict stage against HF `pipeline` and `Trainer.predict`.
+
+Run with `scripts/bench.sh predict` (builds lakeml, installs the peers, then calls this);
+`--precision fp32|bf16|both` (default both), `--repeats N` (default 3, medians), `--rows N`
+(a fixed sample of N reviews, for quick runs; default all 12,808), `--model DIR` (a trained
+classifier directory; default a MiniLM-L6 classifier with a seeded head, made here),
+`--side all|lakeml|pipeline|trainer`, `--threads N`, `--out FILE` (a JSON summary).
+
+What is measured: classifying every review of a Delta table with one classifier directory
+(all-MiniLM-L6-v2 plus a 2-way head: rotten / fresh), table in, table out: each side reads
+the rows (id, text) from the same Delta table and writes a Delta table of predictions
+(id, label, score). Per side and precision: rows/s over the child process's whole wall time
+(start-up, imports, model load, read, tokenize, forward passes, write), the in-process
+seconds where the side reports them, and the process's peak RSS. The predicted labels of
+the HF sides are checked against lakeml's (fraction of rows with the same label).
+
+Why it is fair:
+- Same input, same model: lakeml writes the input table once (benches/pipelines/
+  predict_input.yaml, not timed), and every side reads it and the same model directory.
+- Same work: every row, truncation at 512 tokens (the model's positions; HF's
+  `truncation=True` cuts at the tokenizer's model_max_length, 512), same precision (fp32, or
+  bf16 weights and activations on every side), one output table each.
+- Same cores: each side runs in its own child process on the same machine, one after the
+  other (interleaved when repeated, the order reversed on odd repeats), with the same
+  intra-op thread count (lakeml's `threads`, `torch.set_num_threads` on the HF sides,
+  OMP_NUM_THREADS / MKL_NUM_THREADS for all); peak RSS comes from wait4 on that child.
+- HF at its recommended settings, not its defaults: `pipeline("text-classification",
+  device="cpu", dtype=...)` called on the list of texts with batch_size=64 and
+  truncation=True; and Trainer.predict on a `datasets.Dataset` tokenized with the fast
+  tokenizer (batched map, truncation), `DataCollatorWithPadding` (pad to the longest of each
+  batch), per_device_eval_batch_size=64, `use_cpu=True`, `bf16_full_eval=True` for bf16, no
+  data loader workers (the collator only pads; workers would take cores from the forward
+  passes), no pinned memory, report_to=[].
+- lakeml runs its defaults on CPU (rows sorted by length, 4096 padded tokens per forward
+  pass). The HF sides batch 64 rows in table order, as their APIs do; the share of pad slots
+  that costs them is printed.
+- In-process seconds: lakeml's predict stage report (model load -> predictions committed);
+  on the HF sides, from after the imports to the Delta table written. `predict s` is the
+  forward passes alone where the side reports them (Trainer's `test_runtime`; the pipeline
+  call).
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from measure import run_measured
+
+BATCH_SIZE = 64
+LABELS = "rotten,fresh"
+RESULT = "BENCH_RESULT "  # prefix of an HF child's result line (transformers logs too)
+SIDES = {"lakeml": "lakeml", "pipeline": "HF pipeline", "trainer": "HF Trainer.predict"}
+
+
+class SideFailed(Exception):
+    pass
+
+
+def tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def stage_reports(stdout: str) -> list[dict]:
+    """`pipeline run --json` output: one JSON report per line, or one JSON array."""
+    try:
+        parsed = json.loads(stdout)
+        return parsed if isinstance(parsed, list) else [parsed]
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]
+
+
+# --- lakeml side -----------------------------------------------------------------------------
+
+def lakeml_side(bin_: str, yaml: str, precision: str, env: dict) -> dict:
+    """One timed lakeml run: the predict stage of benches/pipelines/predict.yaml."""
+    r = run_measured([bin_, "run", "--json", "--quiet", "--force", yaml], dict(env, LAKEML_PRECISION=precision))
+    if r["rc"] != 0:
+        raise SideFailed(f"lakeml ({precision}): `pipeline run {yaml}` exited {r['rc']}:\n{tail(r['stderr'])}")
+    reports = [x for x in stage_reports(r["stdout"]) if x.get("kind") == "predict"]
+    if not reports:
+        raise SideFailed(f"lakeml ({precision}): no predict stage report in its output:\n{tail(r['stdout'])}")
+    rep = reports[-1]
+    return {"side": "lakeml", "precision": precision, "rows": rep["rows_out"], "tokens": rep.get("tokens"),
+            "stage_s": rep["seconds"], "predict_s": None, "rss_mib": r["rss_mib"], "wall_s": r["wall"],
+            "report": rep}
+
+
+# --- HF sides (child processes) --------------------------------------------------------------
+
+def hf_child(kind: str, source: str, model: str, precision: str, threads: int, dest: str) -> None:
+    """Child process: one HF side, Delta table in, Delta table of (id, label, score) out."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import datasets
+    import deltalake
+    import numpy as np
+    import pyarrow as pa
+    import transformers
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                              Trainer, TrainingArguments, pipeline)
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    extra = {}
+
+    started = time.perf_counter()
+    table = deltalake.DeltaTable(source).to_pyarrow_table(columns=["id", "text"])
+    if kind == "pipeline":
+        clf = pipeline("text-classification", model=model, device="cpu", dtype=dtype)
+        texts = table.column("text").to_pylist()
+        t0 = time.perf_counter()
+        out = clf(texts, batch_size=BATCH_SIZE, truncation=True)
+        predict_s = time.perf_counter() - t0
+        labels = [o["label"] for o in out]
+        scores = [o["score"] for o in out]
+        extra["model_dtype"] = str(clf.model.dtype)
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+        ds = datasets.Dataset(table).map(lambda b: tok(b["text"], truncation=True), batched=True,
+                                         remove_columns=["id", "text"])
+        net = AutoModelForSequenceClassification.from_pretrained(model)
+        args = TrainingArguments(
+            output_dir=os.path.join(os.path.dirname(dest), "trainer-out"),
+            use_cpu=True,
+            bf16_full_eval=precision == "bf16",
+            per_device_eval_batch_size=BATCH_SIZE,
+            dataloader_num_workers=0,
+            dataloader_pin_memory=False,
+            eval_strategy="no",
+            save_strategy="no",
+            logging_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+        )
+        trainer = Trainer(model=net, args=args, data_collator=DataCollatorWithPadding(tok), processing_class=tok)
+        pred = trainer.predict(ds)
+        predict_s = pred.metrics["test_runtime"]
+        logits = np.asarray(pred.predictions, dtype=np.float32)
+        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = z / z.sum(axis=-1, keepdims=True)
+        ids = probs.argmax(axis=-1)
+        labels = [net.config.id2label[int(i)] for i in ids]
+        scores = probs.max(axis=-1).tolist()
+        # Padding of 64-row batches in table order (the pipeline batches the same way).
+        lengths = np.array([len(x) for x in ds["input_ids"]])
+        slots = sum(int(lengths[i:i + BATCH_SIZE].max()) * len(lengths[i:i + BATCH_SIZE])
+                    for i in range(0, len(lengths), BATCH_SIZE))
+        extra |= {"tokens": int(lengths.sum()), "pad_ratio": 1 - lengths.sum() / slots,
+                  "model_dtype": str(next(trainer.model.parameters()).dtype)}
+    deltalake.write_deltalake(dest, pa.table({"id": table.column("id"), "label": pa.array(labels, pa.string()),
+                                              "score": pa.array(scores, pa.float32())}), mode="overwrite")
+    stage_s = time.perf_counter() - started
+    print(RESULT + json.dumps({"rows": table.num_rows, "stage_s": stage_s, "predict_s": predict_s,
+                               "threads": torch.get_num_threads(), **extra}), flush=True)
+
+
+def hf_side(kind: str, source: str, model: str, precision: str, threads: int, dest: str, env: dict) -> dict:
+    r = run_measured([sys.executable, __file__, "--child", kind, source, model, precision, str(threads), dest], env)
+    lines = [x for x in r["stdout"].splitlines() if x.startswith(RESULT)]
+    if r["rc"] != 0 or not lines:
+        raise SideFailed(f"{SIDES[kind]} ({precision}) exited {r['rc']}:\n{tail(r['stderr'] + r['stdout'])}")
+    out = json.loads(lines[-1][len(RESULT):])
+    return {"side": kind, "precision": precision, **out, "rss_mib": r["rss_mib"], "wall_s": r["wall"],
+            "stderr_tail": tail(r["stderr"], 5)}
+
+
+# --- agreement -------------------------------------------------------------------------------
+
+def agreement(reference: str, other: str) -> dict:
+    """Fraction of the reference's rows whose label the other table gives too; max |score diff|."""
+    import deltalake
+
+    def load(path):
+        t = deltalake.DeltaTable(path).to_pyarrow_table(columns=["id", "label", "score"]).to_pydict()
+        return {i: (l, s) for i, l, s in zip(t["id"], t["label"], t["score"])}
+
+    a, b = load(reference), load(other)
+    same = sum(1 for i, (l, _) in a.items() if i in b and b[i][0] == l)
+    diff = max((abs(s - b[i][1]) for i, (_, s) in a.items() if i in b), default=float("nan"))
+    return {"rows": len(a), "other_rows": len(b), "missing": sum(1 for i in a if i not in b),
+            "same_label": same / len(a) if a else float("nan"), "max_score_diff": diff}
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+def summarize(runs: list[dict], sides: list[str], precisions: list[str], agree: dict, rows: int,
+              args) -> dict:
+    med = {}
+    for p in precisions:
+        for s in sides:
+            xs = [r for r in runs if r["side"] == s and r["precision"] == p]
+            if not xs:
+                continue
+            m = {k: statistics.median(x[k] for x in xs) for k in ("wall_s", "rss_mib", "stage_s")}
+            predict = [x["predict_s"] for x in xs if x.get("predict_s") is not None]
+            m["predict_s"] = statistics.median(predict) if predict else None
+            m["rows_per_s"] = rows / m["wall_s"]
+            m["runs"] = len(xs)
+            med[f"{s}/{p}"] = m
+    compare = {}
+    for p in precisions:
+        print()
+        print(f"{p}: {rows:,} rows, table -> table, {args.threads} intra-op threads per side "
+              f"(os.cpu_count() = {os.cpu_count()}); medians of {args.repeats}")
+        print(f"{'side':20}{'rows/s':>9}{'wall s':>9}{'in-proc s':>11}{'predict s':>11}"
+              f"{'peak RSS MiB':>14}{'same label':>12}")
+        for s in sides:
+            m = med.get(f"{s}/{p}")
+            if not m:
+                continue
+            pred = f"{m['predict_s']:11.2f}" if m["predict_s"] is not None else f"{'-':>11}"
+            ag = agree.get(f"{s}/{p}")
+            same = "(ref)" if s == "lakeml" else (f"{ag['same_label']:.4f}" if ag else "-")
+            print(f"{SIDES[s]:20}{m['rows_per_s']:9.1f}{m['wall_s']:9.2f}{m['stage_s']:11.2f}{pred}"
+                  f"{m['rss_mib']:14,.0f}{same:>12}")
+        lk = med.get(f"lakeml/{p}")
+        hf = {s: med[f"{s}/{p}"] for s in ("pipeline", "trainer") if f"{s}/{p}" in med}
+        if lk and hf:
+            c = {f"lakeml/{s}": lk["rows_per_s"] / m["rows_per_s"] for s, m in hf.items()}
+            best = max(hf, key=lambda s: hf[s]["rows_per_s"])
+            c["lakeml/faster_hf"] = lk["rows_per_s"] / hf[best]["rows_per_s"]
+            c["faster_hf"] = SIDES[best]
+            c["lakeml_rss_over_faster_hf"] = lk["rss_mib"] / hf[best]["rss_mib"]
+            compare[p] = c
+            parts = [f"lakeml / {SIDES[s]} {c[f'lakeml/{s}']:.2f}x" for s in hf]
+            print("rows/s (wall): " + "; ".join(parts)
+                  + f"; lakeml / faster HF side ({SIDES[best]}) {c['lakeml/faster_hf']:.2f}x")
+        pads = [r["pad_ratio"] for r in runs if r["precision"] == p and "pad_ratio" in r]
+        if pads:
+            print(f"HF sides batch {BATCH_SIZE} rows in table order: {pads[0]:.1%} of their token slots are "
+                  f"padding (lakeml sorts rows by length first)")
+        for s in sides:
+            ag = agree.get(f"{s}/{p}")
+            if ag and (ag["missing"] or ag["other_rows"] != ag["rows"]):
+                print(f"WARNING: {SIDES[s]} wrote {ag['other_rows']} rows, lakeml {ag['rows']} "
+                      f"({ag['missing']} of lakeml's ids missing)")
+    return {"medians": med, "compare": compare, "agreement": agree}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin", default=os.environ.get("LAKEML_BIN"), help="the pipeline binary (default $LAKEML_BIN)")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per side and precision, interleaved (median)")
+    ap.add_argument("--rows", type=int, help="predict a fixed sample of N reviews (default: all)")
+    ap.add_argument("--model", help="classifier directory (default: MiniLM-L6 + a seeded 2-way head, made here)")
+    ap.add_argument("--side", choices=["all", *SIDES], default="all")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(),
+                    help="intra-op threads for every side (default: all cores)")
+    ap.add_argument("--out", help="write a JSON summary here")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    ap.add_argument("--child", nargs=6, metavar=("KIND", "SOURCE", "MODEL", "PRECISION", "THREADS", "DEST"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        kind, source, model, precision, threads, dest = args.child
+        return hf_child(kind, source, model, precision, int(threads), dest)
+    if not args.bin and args.side in ("all", "lakeml"):
+        sys.exit("give the pipeline binary with --bin or LAKEML_BIN (scripts/bench.sh predict does)")
+    if args.repeats < 1 or (args.rows is not None and args.rows < 1):
+        sys.exit("--repeats and --rows must be at least 1")
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assets = pathlib.Path(os.path.expanduser(os.environ.get("LAKEML_ASSETS", "~/.cache/lakeml/assets")))
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    sides = list(SIDES) if args.side == "all" else [args.side]
+    work = pathlib.Path(tempfile.mkdtemp(prefix="lakeml-bench-predict-"))
+    env = dict(os.environ, LAKEML_BENCH_DIR=str(work), LAKEML_ASSETS=str(assets),
+               LAKEML_BENCH_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
+               MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="true")
+    if args.rows:
+        env["LAKEML_BENCH_ROWS"] = str(args.rows)
+    print(f"machine: {os.cpu_count()} cores, {args.threads} intra-op threads on every side, load average "
+          f"{os.getloadavg()[0]:.2f} (other work on these cores slows every side); work dir {work}", flush=True)
+    try:
+        run_all(args, root, assets, precisions, sides, work, env)
+    finally:
+        if args.keep:
+            print(f"work dir kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str], sides: list[str],
+            work: pathlib.Path, env: dict) -> None:
+    # The shared model: a classifier directory (made once, not timed, unless given).
+    if args.model:
+        model = str(pathlib.Path(args.model).resolve())
+    else:
+        model = str(work / "model")
+        made = run_measured([sys.executable, str(root / "tests/py/make_classifier.py"),
+                             str(assets / "all-MiniLM-L6-v2"), model, LABELS, "0"], env)
+        if made["rc"] != 0:
+            sys.exit(f"making the classifier failed:\n{tail(made['stderr'])}")
+    env["LAKEML_BENCH_MODEL"] = model
+    # The shared input: the reviews as a Delta table (made once by lakeml, not timed).
+    if not args.bin:
+        sys.exit("the input table is made by lakeml: give --bin or LAKEML_BIN")
+    made = run_measured([args.bin, "run", "--json", "--quiet", str(root / "benches/pipelines/predict_input.yaml")], env)
+    if made["rc"] != 0:
+        sys.exit(f"making the input table failed:\n{tail(made['stderr'])}")
+    source = str(work / "reviews")
+    import deltalake
+    rows = deltalake.DeltaTable(source).to_pyarrow_table(columns=["id"]).num_rows
+    print(f"input: {rows:,} rows in {source}; model {model}", flush=True)
+    yaml = str(root / "benches/pipelines/predict.yaml")
+    if "lakeml" in sides:
+        check = run_measured([args.bin, "validate", yaml], env)
+        if check["rc"] != 0:
+            sys.exit(f"lakeml side: `{args.bin} validate {yaml}` failed:\n{tail(check['stderr'] + check['stdout'])}\n"
+                     "If this build has no `predict` stage yet, run an HF side alone with `--side pipeline`.")
+
+    def dest(side, p):
+        return str(work / f"preds-{side}-{p}")
+
+    runs = []
+    try:
+        for i in range(args.repeats):
+            for p in precisions:
+                for s in (sides if i % 2 == 0 else sides[::-1]):
+                    if s == "lakeml":
+                        r = lakeml_side(args.bin, yaml, p, env)
+                    else:
+                        shutil.rmtree(dest(s, p), ignore_errors=True)
+                        r = hf_side(s, source, model, p, args.threads, dest(s, p), env)
+                    if r["rows"] != rows:
+                        raise SideFailed(f"{SIDES[s]} ({p}) predicted {r['rows']} rows of {rows}")
+                    runs.append(r)
+                    print(f"  run {i + 1} {SIDES[s]:19} {p}: {rows / r['wall_s']:8.1f} rows/s, "
+                          f"{r['wall_s']:.2f} s wall, {r['stage_s']:.2f} s in-process, "
+                          f"{r['rss_mib']:,.0f} MiB", flush=True)
+    except SideFailed as e:
+        sys.exit(f"\n{e}")
+
+    agree = {}
+    if "lakeml" in sides:
+        for p in precisions:
+            for s in sides:
+                if s != "lakeml":
+                    agree[f"{s}/{p}"] = agreement(dest("lakeml", p), dest(s, p))
+        if "fp32" in precisions and "bf16" in precisions:
+            agree["lakeml-bf16/fp32"] = agreement(dest("lakeml", "fp32"), dest("lakeml", "bf16"))
+    summary = summarize(runs, sides, precisions, agree, rows, args)
+    print()
+    print("same label: fraction of rows whose predicted label equals lakeml's at that precision")
+    for key, ag in agree.items():
+        print(f"  {key:22} same label {ag['same_label']:.4f}, max |score diff| {ag['max_score_diff']:.2e}")
+    print(f"load average now {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[2]:.2f} (15 min) "
+          f"on {os.cpu_count()} cores")
+    if args.out:
+        import torch
+        import transformers
+        doc = {"machine": {"cpus": os.cpu_count(), "threads": args.threads,
+                           "load_average_at_end": os.getloadavg()},
+               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+               "config": {"rows": rows, "batch_size": BATCH_SIZE, "max_length": 512, "model": model,
+                          "repeats": args.repeats, "precisions": precisions},
+               "runs": runs, **summary}
+        pathlib.Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"summary written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
