@@ -49,29 +49,12 @@ import sys
 import tempfile
 import time
 
-from measure import run_measured
+from measure import SideFailed, run_measured, stage_reports, tail
 
 BATCH_SIZE = 64
 LABELS = "rotten,fresh"
 RESULT = "BENCH_RESULT "  # prefix of an HF child's result line (transformers logs too)
 SIDES = {"lakeml": "lakeml", "pipeline": "HF pipeline", "trainer": "HF Trainer.predict"}
-
-
-class SideFailed(Exception):
-    pass
-
-
-def tail(text: str, lines: int = 20) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def stage_reports(stdout: str) -> list[dict]:
-    """`pipeline run --json` output: one JSON report per line, or one JSON array."""
-    try:
-        parsed = json.loads(stdout)
-        return parsed if isinstance(parsed, list) else [parsed]
-    except json.JSONDecodeError:
-        return [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]
 
 
 # --- lakeml side -----------------------------------------------------------------------------

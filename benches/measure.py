@@ -1,4 +1,5 @@
 """What the benchmarks share: running one side as a child process and measuring it."""
+import json
 import os
 import subprocess
 import sys
@@ -30,3 +31,20 @@ def run_ok(cmd: list[str], env: dict | None = None) -> dict:
     if r["rc"] != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{r['stdout']}\n{r['stderr']}")
     return r
+
+
+class SideFailed(Exception):
+    """One side of a benchmark could not run; the message says why."""
+
+
+def tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def stage_reports(stdout: str) -> list[dict]:
+    """`pipeline run --json` output: one JSON report per line, or one JSON array."""
+    try:
+        parsed = json.loads(stdout)
+        return parsed if isinstance(parsed, list) else [parsed]
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]

@@ -356,21 +356,13 @@ impl Pipeline {
                 def.path.display()
             )),
             WriteMode::Overwrite => Ok(()),
-            WriteMode::Append => {
-                let table = def.open_delta(None).await.map_err(|e| e.to_string())?;
-                let existing = table
-                    .snapshot()
-                    .map_err(|e| e.to_string())?
-                    .snapshot()
-                    .arrow_schema();
-                schema_diff(&existing, schema).map_err(|d| {
-                    format!(
-                        "{}: the query's columns do not match table `{}` for append: {d}; \
+            WriteMode::Append => appendable(def, schema).await?.map_err(|d| {
+                format!(
+                    "{}: the query's columns do not match table `{}` for append: {d}; \
                          change the query, or use `mode: overwrite`",
-                        w.field, w.to
-                    )
-                })
-            }
+                    w.field, w.to
+                )
+            }),
         }
     }
 }
@@ -386,13 +378,7 @@ impl Pipeline {
         if p.mode == PredictMode::Overwrite || !catalog::delta_exists(&def.path) {
             return Ok(());
         }
-        let table = def.open_delta(None).await.map_err(|e| e.to_string())?;
-        let existing = table
-            .snapshot()
-            .map_err(|e| e.to_string())?
-            .snapshot()
-            .arrow_schema();
-        schema_diff(&existing, schema).map_err(|d| {
+        appendable(def, schema).await?.map_err(|d| {
             format!(
                 "{}: table `{}` does not hold predictions of this shape, so new ones cannot be \
                  appended: {d}; write to another table, or use `mode: overwrite`",
@@ -400,6 +386,18 @@ impl Pipeline {
             )
         })
     }
+}
+
+/// Whether rows of `schema` can be appended to the existing Delta table `def`: the outer
+/// error is reading the table, the inner one how the columns differ.
+async fn appendable(def: &TableDef, schema: &Schema) -> Result<Result<(), String>, String> {
+    let table = def.open_delta(None).await.map_err(|e| e.to_string())?;
+    let existing = table
+        .snapshot()
+        .map_err(|e| e.to_string())?
+        .snapshot()
+        .arrow_schema();
+    Ok(schema_diff(&existing, schema))
 }
 
 pub(super) fn query(base: &Path, s: &Source, field: &str) -> Result<Query, String> {

@@ -307,19 +307,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
     .await;
     bar.finish_and_clear();
     let table = written?;
-    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     report.version = table.version();
-    report.rows_in = load(&counters.rows_in);
-    report.rows_out = load(&counters.rows_out);
-    report.tokens = load(&counters.tokens);
-    report.rows_by_outcome = [
-        ("truncated", load(&counters.truncated)),
-        ("skipped_null", load(&counters.skipped_null)),
-        ("skipped_empty", load(&counters.skipped_empty)),
-        ("kept_empty", load(&counters.kept_empty)),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    counters.fill(&mut report);
     Ok(report)
 }

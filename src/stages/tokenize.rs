@@ -160,24 +160,8 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
     .await;
     bar.finish_and_clear();
     let table = written?;
-    let c = &counters;
-    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     report.version = table.version();
-    report.rows_in = load(&c.rows_in);
-    report.rows_out = load(&c.rows_out);
-    report.tokens = load(&c.tokens);
-    report.rows_by_outcome = [
-        ("truncated", load(&c.truncated)),
-        ("skipped_overlong", load(&c.skipped_overlong)),
-        ("skipped_null", load(&c.skipped_null)),
-        ("skipped_empty", load(&c.skipped_empty)),
-        ("skipped_invalid_utf8", load(&c.skipped_invalid_utf8)),
-        ("kept_empty", load(&c.kept_empty)),
-        ("replaced_invalid_utf8", load(&c.replaced_invalid_utf8)),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    counters.fill(&mut report);
     Ok(report)
 }
 

@@ -50,6 +50,26 @@ impl Counters {
     fn add(counter: &AtomicU64, n: usize) {
         counter.fetch_add(n as u64, Ordering::Relaxed);
     }
+
+    /// Rows in and out, tokens, and what happened to rows, into a stage's report.
+    pub(crate) fn fill(&self, report: &mut crate::report::StageReport) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        report.rows_in = load(&self.rows_in);
+        report.rows_out = load(&self.rows_out);
+        report.tokens = load(&self.tokens);
+        report.rows_by_outcome = [
+            ("truncated", load(&self.truncated)),
+            ("skipped_overlong", load(&self.skipped_overlong)),
+            ("skipped_null", load(&self.skipped_null)),
+            ("skipped_empty", load(&self.skipped_empty)),
+            ("skipped_invalid_utf8", load(&self.skipped_invalid_utf8)),
+            ("kept_empty", load(&self.kept_empty)),
+            ("replaced_invalid_utf8", load(&self.replaced_invalid_utf8)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    }
 }
 
 /// Labels as the model sees them: ints as they are, strings by position in `names`.
