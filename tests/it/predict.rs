@@ -56,12 +56,16 @@ fn setup(rows: usize, settings: &str) -> Scratch {
 }
 
 fn make_model(s: &Scratch, name: &str, seed: u32) {
+    make_model_with(s, name, "rotten,fresh", seed);
+}
+
+fn make_model_with(s: &Scratch, name: &str, labels: &str, seed: u32) {
     python(
         "make_classifier.py",
         &[
             minilm().to_str().expect("utf-8 path"),
             s.path().join(name).to_str().expect("utf-8 path"),
-            "rotten,fresh",
+            labels,
             &seed.to_string(),
         ],
     );
@@ -374,6 +378,20 @@ fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
             && err.contains("[negative, positive]"),
         "{err}"
     );
+
+    // Another model whose labels differ from those this job wrote into the table.
+    make_model_with(&s, "other", "negative,positive", 0);
+    s.write(
+        "other.yaml",
+        &predict_yaml("").replace("model: model", "model: other"),
+    );
+    let err = fails(&s, "other.yaml", 1);
+    assert!(
+        err.contains("holds this job's predictions with labels [\"rotten\",\"fresh\"]")
+            && err.contains("mode: overwrite"),
+        "{err}"
+    );
+    assert_eq!(log_versions(&s, "lake/preds"), 1);
 
     // A base model with no trained head.
     s.write(
