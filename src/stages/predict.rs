@@ -91,17 +91,11 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
     let model_version = model_version(&stage.model)?;
 
     let policy = &stage.policy;
-    let mut columns: Vec<&str> = vec![&policy.id, &policy.text];
-    columns.extend(policy.text_pair.as_deref());
-    columns.extend(policy.keep.iter().map(String::as_str));
-    // A kept column may also be the text (kept for reference): select it once.
-    let mut seen = std::collections::HashSet::new();
-    columns.retain(|c| seen.insert(*c));
     let df = ctx
         .sql(&stage.query.sql)
         .await
         .map_err(engine_err)?
-        .select_columns(&columns)
+        .select_columns(&policy.columns())
         .map_err(engine_err)?;
     let inputs = fingerprint::plan_inputs(df.logical_plan(), &run.identities)?;
     let source_version = source_version(&inputs);

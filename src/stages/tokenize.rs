@@ -35,18 +35,11 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
     let ctx = SessionContext::new_with_state(state);
 
     let policy = &stage.policy;
-    let mut columns: Vec<&str> = vec![&policy.id, &policy.text];
-    columns.extend(policy.text_pair.as_deref());
-    columns.extend(policy.label.as_deref());
-    columns.extend(policy.keep.iter().map(String::as_str));
-    // A kept column may also be the text (kept for reference): select it once.
-    let mut seen = std::collections::HashSet::new();
-    columns.retain(|c| seen.insert(*c));
     let df = ctx
         .sql(&stage.query.sql)
         .await
         .map_err(engine)?
-        .select_columns(&columns)
+        .select_columns(&policy.columns())
         .map_err(engine)?;
 
     let encoder = stage.encoder.clone();

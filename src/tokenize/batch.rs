@@ -31,6 +31,20 @@ pub(crate) struct RowPolicy {
     pub on_invalid_utf8: OnInvalidUtf8,
 }
 
+impl RowPolicy {
+    /// The source columns a stage reads: id, text, pair, label, then `keep`, each once (a
+    /// kept column may also be the text, kept for reference).
+    pub(crate) fn columns(&self) -> Vec<&str> {
+        let mut columns: Vec<&str> = vec![&self.id, &self.text];
+        columns.extend(self.text_pair.as_deref());
+        columns.extend(self.label.as_deref());
+        columns.extend(self.keep.iter().map(String::as_str));
+        let mut seen = std::collections::HashSet::new();
+        columns.retain(|c| seen.insert(*c));
+        columns
+    }
+}
+
 /// What happened to rows, summed over the whole stage (shared by the stream's tasks).
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
