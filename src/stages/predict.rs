@@ -150,7 +150,11 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
     }
 
     let mut df = df;
-    if let (PredictMode::Incremental, Some(table)) = (stage.mode, &target) {
+    let incremental = match (stage.mode, &target) {
+        (PredictMode::Incremental, Some(table)) => Some(table),
+        _ => None,
+    };
+    if let Some(table) = incremental {
         if let Some(before) = last.as_ref().and_then(|tag| tag.pointer("/extra/labels"))
             && *before != json!(labels)
         {
@@ -180,14 +184,29 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
                 None,
             )
             .map_err(engine_err)?;
-        if df.clone().count().await.map_err(engine_err)? == 0 {
-            return Ok(StageReport {
-                cached: true,
-                version: table.version(),
-                ..report
-            });
+    }
+    let mut stream = df.execute_stream().await.map_err(engine_err)?;
+    let schema = stream.schema();
+    // The first rows to predict, read before the model loads; when an incremental run
+    // finds none, the table already holds every id and nothing is written.
+    let mut first = None;
+    while let Some(batch) = stream.next().await {
+        let batch = batch.map_err(engine_err)?;
+        if batch.num_rows() > 0 {
+            first = Some(batch);
+            break;
         }
     }
+    if first.is_none()
+        && let Some(table) = incremental
+    {
+        return Ok(StageReport {
+            cached: true,
+            version: table.version(),
+            ..report
+        });
+    }
+    let stream = futures::stream::iter(first.map(Ok)).chain(stream);
 
     let engine = Arc::new(
         Engine::start(
@@ -208,8 +227,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
         predicted_at: chrono::Utc::now().timestamp_micros(),
         logits: s.logits,
     });
-    let stream = df.execute_stream().await.map_err(engine_err)?;
-    let tokenized_schema = tokenize::output_schema(&stream.schema(), policy)?;
+    let tokenized_schema = tokenize::output_schema(&schema, policy)?;
     let schema = output_schema(&tokenized_schema, policy, s.logits);
     let counters = Arc::new(Counters::default());
     let bar = run.progress(&stage.name);
