@@ -46,10 +46,9 @@ import pathlib
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
-from measure import SideFailed, run_measured, stage_reports, tail
+from measure import SideFailed, run_measured, stage_reports, tail, work_dir
 
 BATCH_SIZE = 64
 LABELS = "rotten,fresh"
@@ -255,21 +254,15 @@ def main() -> None:
     assets = pathlib.Path(os.path.expanduser(os.environ.get("LAKEML_ASSETS", "~/.cache/lakeml/assets")))
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     sides = list(SIDES) if args.side == "all" else [args.side]
-    work = pathlib.Path(tempfile.mkdtemp(prefix="lakeml-bench-predict-"))
-    env = dict(os.environ, LAKEML_BENCH_DIR=str(work), LAKEML_ASSETS=str(assets),
-               LAKEML_BENCH_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="true")
-    if args.rows:
-        env["LAKEML_BENCH_ROWS"] = str(args.rows)
-    print(f"machine: {os.cpu_count()} cores, {args.threads} intra-op threads on every side, load average "
-          f"{os.getloadavg()[0]:.2f} (other work on these cores slows every side); work dir {work}", flush=True)
-    try:
+    with work_dir("lakeml-bench-predict-", args.keep) as work:
+        env = dict(os.environ, LAKEML_BENCH_DIR=str(work), LAKEML_ASSETS=str(assets),
+                   LAKEML_BENCH_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
+                   MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="true")
+        if args.rows:
+            env["LAKEML_BENCH_ROWS"] = str(args.rows)
+        print(f"machine: {os.cpu_count()} cores, {args.threads} intra-op threads on every side, load average "
+              f"{os.getloadavg()[0]:.2f} (other work on these cores slows every side); work dir {work}", flush=True)
         run_all(args, root, assets, precisions, sides, work, env)
-    finally:
-        if args.keep:
-            print(f"work dir kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str], sides: list[str],

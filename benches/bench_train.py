@@ -38,10 +38,9 @@ import pathlib
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
-from measure import SideFailed, run_measured, stage_reports, tail
+from measure import SideFailed, run_measured, stage_reports, tail, work_dir
 
 SEED = 42
 BATCH_SIZE = 32
@@ -235,22 +234,15 @@ def main() -> None:
     model = str(assets / "all-MiniLM-L6-v2")
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     sides = {"both": ["lakeml", "HF Trainer"], "lakeml": ["lakeml"], "hf": ["HF Trainer"]}[args.side]
-    work = pathlib.Path(tempfile.mkdtemp(prefix="lakeml-bench-train-"))
-    env = dict(os.environ, LAKEML_BENCH_DIR=str(work), LAKEML_ASSETS=str(assets),
-               OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               TOKENIZERS_PARALLELISM="false")
-    if args.limit:
-        env["LAKEML_BENCH_LIMIT"] = str(args.limit)
-    print(f"machine: {os.cpu_count()} cores, {args.threads} threads per side, load average "
-          f"{os.getloadavg()[0]:.2f} (other work on these cores slows both sides); work dir {work}", flush=True)
-
-    try:
+    with work_dir("lakeml-bench-train-", args.keep) as work:
+        env = dict(os.environ, LAKEML_BENCH_DIR=str(work), LAKEML_ASSETS=str(assets),
+                   OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+                   TOKENIZERS_PARALLELISM="false")
+        if args.limit:
+            env["LAKEML_BENCH_LIMIT"] = str(args.limit)
+        print(f"machine: {os.cpu_count()} cores, {args.threads} threads per side, load average "
+              f"{os.getloadavg()[0]:.2f} (other work on these cores slows both sides); work dir {work}", flush=True)
         run_all(args, root, model, precisions, sides, work, env)
-    finally:
-        if args.keep:
-            print(f"work dir kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def run_all(args, root: pathlib.Path, model: str, precisions: list[str], sides: list[str],

@@ -1,6 +1,9 @@
 """What the benchmarks share: running one side as a child process and measuring it."""
+import contextlib
 import json
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,3 +51,16 @@ def stage_reports(stdout: str) -> list[dict]:
         return parsed if isinstance(parsed, list) else [parsed]
     except json.JSONDecodeError:
         return [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str, keep: bool):
+    """A scratch directory for one benchmark run, removed at the end unless `keep`."""
+    work = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    finally:
+        if keep:
+            print(f"work dir kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
