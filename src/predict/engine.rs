@@ -1,8 +1,12 @@
 //! The model side of prediction: `replicas` libtorch threads, each with its own copy of the
-//! model, take windows of tokenized rows from one queue and send back their logits.
+//! model, take windows of tokenized rows from one bounded queue and send back their logits.
+//!
+//! The batch `predict` stage and `pipeline serve` (SQL functions and DoExchange) share this
+//! engine. A replica that finds several windows waiting merges them into one, so rows from
+//! concurrent queries are sorted by length together and packed under the same token budget;
+//! a window whose caller has gone away (a client that disconnected) is dropped unrun.
 
 use std::path::Path;
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use arrow::array::{Array, AsArray, ListArray};
@@ -17,15 +21,23 @@ use crate::model::{Model, ModelConfig, thread};
 /// What to lower when prediction runs out of memory.
 const OOM_HINT: &str = "lower `batch_tokens` (padded tokens per forward pass), or `replicas`";
 
+/// Windows waiting for the model: callers wait for room beyond this (back-pressure).
+const QUEUE_WINDOWS: usize = 64;
+
+/// Rows a replica merges from waiting windows into one.
+const MERGE_ROWS: usize = 8192;
+
 /// A window of tokenized rows waiting for the model.
 struct Job {
     ids: ListArray,
     reply: tokio::sync::oneshot::Sender<Result<Vec<f32>>>,
 }
 
+type Queue = Arc<Mutex<tokio::sync::mpsc::Receiver<Job>>>;
+
 /// Model replicas behind one queue.
 pub(crate) struct Engine {
-    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    queue: Mutex<Option<tokio::sync::mpsc::Sender<Job>>>,
 }
 
 /// How a replica runs its forward passes.
@@ -47,8 +59,8 @@ impl Engine {
         device: Device,
         settings: &PredictSettings,
     ) -> Result<Self> {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+        let (tx, rx) = tokio::sync::mpsc::channel::<Job>(QUEUE_WINDOWS);
+        let rx: Queue = Arc::new(Mutex::new(rx));
         let replicas = if device.is_cuda() {
             1
         } else {
@@ -100,14 +112,16 @@ impl Engine {
     }
 
     /// Logits `[rows, classes]`, row-major, of the rows of `ids` (each a list of token ids).
+    /// Waits for room in the queue; dropping the future before it resolves withdraws the
+    /// window.
     pub(crate) async fn logits(&self, ids: ListArray) -> Result<Vec<f32>> {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let sent = self
-            .queue
-            .lock()
-            .ok()
-            .and_then(|q| q.as_ref().map(|tx| tx.send(Job { ids, reply }).is_ok()));
-        if sent != Some(true) {
+        let tx = self.queue.lock().ok().and_then(|q| q.clone());
+        let sent = match tx {
+            Some(tx) => tx.send(Job { ids, reply }).await.is_ok(),
+            None => false,
+        };
+        if !sent {
             return Err(Error::Internal("the model replicas have stopped".into()));
         }
         answer
@@ -150,16 +164,55 @@ fn load(
     Ok(model)
 }
 
-/// A replica's loop: one window at a time until the queue closes.
-fn serve(model: &Model, queue: &Mutex<mpsc::Receiver<Job>>, pass: Pass) {
+/// A replica's loop until the queue closes: takes the next window and whatever else is
+/// waiting (up to [`MERGE_ROWS`] rows), runs them as one, and answers each caller.
+fn serve(model: &Model, queue: &Queue, pass: Pass) {
     loop {
-        let job = match queue.lock() {
-            Ok(rx) => rx.recv(),
+        let jobs = match queue.lock() {
+            Ok(mut rx) => {
+                let Some(first) = rx.blocking_recv() else {
+                    return;
+                };
+                let mut rows = first.ids.len();
+                let mut jobs = vec![first];
+                while rows < MERGE_ROWS {
+                    let Ok(next) = rx.try_recv() else { break };
+                    rows += next.ids.len();
+                    jobs.push(next);
+                }
+                jobs
+            }
             Err(_) => return,
         };
-        let Ok(job) = job else { return };
-        let result = thread::catch(OOM_HINT, || window_logits(model, &job.ids, pass));
-        let _ = job.reply.send(result);
+        // Callers that went away (a cancelled query) need no answer.
+        let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
+        if jobs.is_empty() {
+            continue;
+        }
+        let mut jobs = jobs;
+        if jobs.len() == 1 {
+            let job = jobs.remove(0);
+            let result = thread::catch(OOM_HINT, || window_logits(model, &job.ids, pass));
+            let _ = job.reply.send(result);
+            continue;
+        }
+        let windows: Vec<&dyn Array> = jobs.iter().map(|j| &j.ids as &dyn Array).collect();
+        let result = arrow::compute::concat(&windows)
+            .map_err(|e| Error::Internal(format!("merging windows: {e}")))
+            .and_then(|merged| {
+                let ids = merged.as_list::<i32>();
+                thread::catch(OOM_HINT, || window_logits(model, ids, pass))
+            });
+        let mut start = 0;
+        for job in jobs {
+            let n = job.ids.len() * pass.classes;
+            let answer = match &result {
+                Ok(logits) => Ok(logits[start..start + n].to_vec()),
+                Err(e) => Err(Error::Model(e.to_string())),
+            };
+            start += n;
+            let _ = job.reply.send(answer);
+        }
     }
 }
 
