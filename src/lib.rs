@@ -1,8 +1,9 @@
 //! lakeml: fine-tune and serve Hugging Face text classifiers on lakehouse tables.
 //!
 //! A pipeline file names tables (Delta, Parquet, CSV, JSON lines) and stages; each stage reads
-//! SQL over those tables and writes a Delta table in one commit. See the README for the file
-//! format and `../shared/design.md` for the architecture.
+//! SQL over those tables and writes a Delta table in one commit; `pipeline serve` exposes the
+//! tables and models over Arrow Flight SQL. See the README for the file format and the
+//! server.
 //!
 //! ```no_run
 //! # async fn demo() -> lakeml::Result<()> {
@@ -25,6 +26,7 @@ mod predict;
 mod query;
 mod report;
 mod runtime;
+mod serve;
 mod stages;
 mod tokenize;
 mod track;
@@ -34,5 +36,6 @@ pub use error::{Error, Result};
 pub use plan::Pipeline;
 pub use report::StageReport;
 pub use runtime::RuntimeInfo;
+pub use serve::{ServeOptions, hash_password};
 pub use stages::RunOptions;
 pub use tokenize::{Encoded, Encoder, EncoderSettings};

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use lakeml::{Pipeline, RunOptions, RuntimeInfo};
+use lakeml::{Pipeline, RunOptions, RuntimeInfo, ServeOptions, hash_password};
 
 #[derive(Parser)]
 #[command(
@@ -46,6 +46,17 @@ enum Command {
         /// The query, e.g. "SELECT label, count(*) FROM predictions GROUP BY label".
         query: String,
     },
+    /// Serve a pipeline's tables and models over Arrow Flight SQL (its `serve:` section)
+    /// until SIGINT or SIGTERM.
+    Serve {
+        /// The pipeline file (YAML) with a `serve:` section.
+        file: PathBuf,
+        /// Listen here instead of `serve.listen` (host:port; port 0 picks a free one).
+        #[arg(long)]
+        listen: Option<String>,
+    },
+    /// Read a password on stdin and print its argon2 hash, for a `serve` users file.
+    HashPassword,
     /// Show what this build links: libtorch, threads, CUDA devices.
     Info,
 }
@@ -122,6 +133,26 @@ fn run(cli: Cli) -> lakeml::Result<()> {
                 file.display(),
                 pipeline.name()
             );
+            Ok(())
+        }
+        Command::Serve { file, listen } => {
+            let pipeline = Pipeline::load(&file)?;
+            runtime.block_on(pipeline.serve(&ServeOptions::new().with_listen(listen)))
+        }
+        Command::HashPassword => {
+            let mut password = String::new();
+            std::io::stdin()
+                .read_line(&mut password)
+                .map_err(|e| lakeml::Error::Internal(format!("reading stdin: {e}")))?;
+            let password = password.trim_end_matches(['\n', '\r']);
+            if password.is_empty() {
+                return Err(lakeml::Error::Data(
+                    "no password on stdin; e.g. `read -s P && echo \"$P\" | pipeline \
+                     hash-password`"
+                        .into(),
+                ));
+            }
+            println!("{}", hash_password(password)?);
             Ok(())
         }
         Command::Info => {

@@ -4,6 +4,7 @@
 //! before any work starts.
 
 mod interpolate;
+mod serve;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -11,6 +12,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+pub(crate) use serve::{AuthSpec, ServeSpec, parse_duration};
 
 /// A whole pipeline file.
 #[derive(Debug, Deserialize)]
@@ -21,8 +23,11 @@ pub(crate) struct PipelineFile {
     /// Tables registered in the pipeline's SQL session, by name.
     #[serde(default)]
     pub tables: BTreeMap<String, TableSpec>,
-    /// Stages, run in order.
+    /// Stages, run in order (a file may hold only tables and `serve`).
+    #[serde(default)]
     pub stages: Vec<StageSpec>,
+    /// `pipeline serve`: the tables and models over Flight SQL.
+    pub serve: Option<ServeSpec>,
 }
 
 /// One table: exactly one of `delta`, `parquet`, `csv`, `json` gives its kind and path.
@@ -389,7 +394,7 @@ pub(crate) struct MlflowSpec {
 fn default_split() -> String {
     "split".into()
 }
-fn default_device() -> String {
+pub(super) fn default_device() -> String {
     "auto".into()
 }
 fn default_seed() -> u64 {
@@ -614,6 +619,22 @@ const KNOWN_KEYS: &[&str] = &[
     "batch_tokens",
     "replicas",
     "logits",
+    "serve",
+    "listen",
+    "models",
+    "path",
+    "default",
+    "auth",
+    "users_file",
+    "tokens",
+    "token_ttl",
+    "tls",
+    "cert",
+    "key",
+    "limits",
+    "max_concurrent_queries",
+    "query_timeout",
+    "shutdown_grace",
 ];
 
 /// The known word within edit distance 2 of `word`, if any.

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
 pub(crate) use checks::is_string;
 use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
-pub(crate) use predict::model_labels;
+pub(crate) use predict::{Inference, inference_settings, model_labels};
 use tables::table_def;
 
 /// A validated pipeline, ready to run.
@@ -29,6 +29,10 @@ pub struct Pipeline {
     pub(crate) name: String,
     pub(crate) tables: BTreeMap<String, TableDef>,
     pub(crate) stages: Vec<Stage>,
+    /// The directory paths in the file are relative to.
+    pub(crate) base: PathBuf,
+    /// The `serve:` section as written; `pipeline serve` validates it.
+    pub(crate) serve: Option<crate::config::ServeSpec>,
 }
 
 #[derive(Debug)]
@@ -91,7 +95,7 @@ impl Stage {
 }
 
 /// `~/x` and paths relative to the pipeline file's directory.
-pub(super) fn resolve(base: &Path, path: &str) -> PathBuf {
+pub(crate) fn resolve(base: &Path, path: &str) -> PathBuf {
     let expanded = match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
         (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
         _ => PathBuf::from(path),
@@ -241,8 +245,10 @@ impl Pipeline {
             }
             stages.push(stage);
         }
-        if stages.is_empty() {
-            return Err(err("`stages` is empty; add at least one stage".into()));
+        if stages.is_empty() && spec.serve.is_none() {
+            return Err(err(
+                "`stages` is empty; add at least one stage (or a `serve` section)".into(),
+            ));
         }
         for def in tables.values() {
             let written = stages.iter().any(|s| s.to() == Some(def.name.as_str()));
@@ -260,6 +266,8 @@ impl Pipeline {
             name: spec.name,
             tables,
             stages,
+            base,
+            serve: spec.serve,
         })
     }
 

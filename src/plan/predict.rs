@@ -5,7 +5,7 @@ use std::path::Path;
 
 use super::train::device;
 use super::{Stage, query, resolve};
-use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictSpec};
+use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictSpec, Truncation};
 use crate::model::ModelConfig;
 use crate::predict::{PredictSettings, PredictStage};
 use crate::tokenize::RowPolicy;
@@ -95,7 +95,67 @@ pub(super) fn predict_stage(
             return Err(format!("{f}.labels: list at least two classes, each once"));
         }
     }
-    let device = device(f, &p.device)?;
+    let (device, settings) = inference_settings(
+        f,
+        &config,
+        &Inference {
+            device: &p.device,
+            precision: p.precision,
+            threads: p.threads,
+            replicas: p.replicas,
+            max_length: p.max_length,
+            truncation: p.truncation,
+            batch_tokens: p.batch_tokens,
+            batch_rows: p.batch_rows,
+            logits: p.logits,
+        },
+    )?;
+    Ok(PredictStage {
+        name: p.name.unwrap_or_else(|| format!("predict-{}", p.to)),
+        field,
+        query,
+        to: p.to,
+        model,
+        policy: RowPolicy {
+            id: p.id,
+            text: p.text,
+            text_pair: p.text_pair,
+            label: None,
+            keep: p.keep,
+            on_overlong: OnOverlong::Truncate,
+            on_null: p.on_null,
+            on_empty: p.on_empty,
+            on_invalid_utf8: OnInvalidUtf8::Error,
+        },
+        mode: p.mode,
+        job: p.job,
+        labels: p.labels,
+        device,
+        settings,
+    })
+}
+
+/// How a model runs for inference, as a `predict` stage or a `serve` model writes it.
+pub(crate) struct Inference<'a> {
+    pub device: &'a str,
+    pub precision: Option<Precision>,
+    pub threads: Option<usize>,
+    pub replicas: Option<usize>,
+    pub max_length: Option<usize>,
+    pub truncation: Truncation,
+    pub batch_tokens: Option<usize>,
+    pub batch_rows: usize,
+    pub logits: bool,
+}
+
+/// The device and settings of a model run for inference, with defaults filled in and each
+/// one checked; errors name the field under `f`.
+pub(crate) fn inference_settings(
+    f: &str,
+    config: &ModelConfig,
+    p: &Inference<'_>,
+) -> Result<(tch::Device, PredictSettings), String> {
+    let device = device(f, p.device)?;
     let positions = usize::try_from(config.arch.max_positions()).unwrap_or(0);
     let max_length = p.max_length.unwrap_or(DEFAULT_MAX_LENGTH.min(positions));
     if max_length < 2 || max_length > positions {
@@ -131,28 +191,9 @@ pub(super) fn predict_stage(
     } else {
         Precision::Fp32
     });
-    Ok(PredictStage {
-        name: p.name.unwrap_or_else(|| format!("predict-{}", p.to)),
-        field,
-        query,
-        to: p.to,
-        model,
-        policy: RowPolicy {
-            id: p.id,
-            text: p.text,
-            text_pair: p.text_pair,
-            label: None,
-            keep: p.keep,
-            on_overlong: OnOverlong::Truncate,
-            on_null: p.on_null,
-            on_empty: p.on_empty,
-            on_invalid_utf8: OnInvalidUtf8::Error,
-        },
-        mode: p.mode,
-        job: p.job,
-        labels: p.labels,
+    Ok((
         device,
-        settings: PredictSettings {
+        PredictSettings {
             precision,
             max_length,
             truncation: p.truncation,
@@ -162,7 +203,7 @@ pub(super) fn predict_stage(
             logits: p.logits,
             batch_rows: p.batch_rows,
         },
-    })
+    ))
 }
 
 /// Columns the predictions table holds besides the `keep` ones.

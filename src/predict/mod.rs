@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 pub(crate) use engine::Engine;
-pub(crate) use output::{Meta, output_schema, predictions_batch};
+pub(crate) use output::{Meta, float_list, output_schema, predictions_batch, softmax};
 
 use crate::config::{Precision, PredictMode};
 use crate::tokenize::RowPolicy;

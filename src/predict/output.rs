@@ -26,7 +26,8 @@ pub(crate) struct Meta {
     pub logits: bool,
 }
 
-fn float_list() -> DataType {
+/// `list<float32>` with non-null items, as the predictions table stores probabilities.
+pub(crate) fn float_list() -> DataType {
     DataType::List(Arc::new(Field::new_list_field(DataType::Float32, false)))
 }
 
@@ -59,6 +60,41 @@ pub(crate) fn output_schema(tokenized: &Schema, policy: &RowPolicy, logits: bool
     Arc::new(Schema::new(fields))
 }
 
+/// Class probabilities of rows of logits, with each row's most likely class and its
+/// probability.
+pub(crate) struct Softmax {
+    /// `[rows, classes]`, row-major.
+    pub probabilities: Vec<f32>,
+    pub label_ids: Vec<i64>,
+    pub scores: Vec<f32>,
+}
+
+/// Softmax (in f64) over each row of `classes` logits.
+pub(crate) fn softmax(logits: &[f32], classes: usize) -> Softmax {
+    let rows = logits.len() / classes.max(1);
+    let mut out = Softmax {
+        probabilities: Vec::with_capacity(logits.len()),
+        label_ids: Vec::with_capacity(rows),
+        scores: Vec::with_capacity(rows),
+    };
+    for row in logits.chunks_exact(classes.max(1)) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f64> = row.iter().map(|&l| f64::from(l - max).exp()).collect();
+        let sum: f64 = exps.iter().sum();
+        let (mut best, mut best_p) = (0usize, f32::NEG_INFINITY);
+        for (i, e) in exps.iter().enumerate() {
+            let p = (e / sum) as f32;
+            if p > best_p {
+                (best, best_p) = (i, p);
+            }
+            out.probabilities.push(p);
+        }
+        out.label_ids.push(best as i64);
+        out.scores.push(best_p);
+    }
+    out
+}
+
 /// The predictions of one tokenized window from its logits (`[rows, classes]`, row-major).
 pub(crate) fn predictions_batch(
     tokenized: &RecordBatch,
@@ -75,24 +111,11 @@ pub(crate) fn predictions_batch(
             logits.len()
         )));
     }
-    let mut probabilities = Vec::with_capacity(logits.len());
-    let mut label_ids = Vec::with_capacity(rows);
-    let mut scores = Vec::with_capacity(rows);
-    for row in logits.chunks_exact(classes.max(1)) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let exps: Vec<f64> = row.iter().map(|&l| f64::from(l - max).exp()).collect();
-        let sum: f64 = exps.iter().sum();
-        let (mut best, mut best_p) = (0usize, f32::NEG_INFINITY);
-        for (i, e) in exps.iter().enumerate() {
-            let p = (e / sum) as f32;
-            if p > best_p {
-                (best, best_p) = (i, p);
-            }
-            probabilities.push(p);
-        }
-        label_ids.push(best as i64);
-        scores.push(best_p);
-    }
+    let Softmax {
+        probabilities,
+        label_ids,
+        scores,
+    } = softmax(logits, classes);
     let offsets = OffsetBuffer::from_lengths(std::iter::repeat_n(classes, rows));
     let list = |values: Vec<f32>| -> ArrayRef {
         Arc::new(ListArray::new(

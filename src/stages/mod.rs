@@ -168,6 +168,13 @@ impl Pipeline {
     /// commit; a stage whose inputs and settings are unchanged since its last commit is
     /// skipped unless `force` is set.
     pub async fn run(&self, options: &RunOptions) -> Result<Vec<StageReport>> {
+        if self.stages.is_empty() {
+            return Err(Error::config(
+                &self.file,
+                "`stages` is empty, so there is nothing to run; add a stage, or serve the \
+                 file's tables with `pipeline serve`",
+            ));
+        }
         // Tables are registered once; validation then runs in the same session.
         let ctx = catalog::session();
         let identities = self.register_tables(&ctx).await?;

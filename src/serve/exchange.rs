@@ -1,0 +1,210 @@
+//! Flight DoExchange: a client (Spark's `mapInArrow`, say) streams record batches in and
+//! gets the same rows back, in order, with prediction columns appended.
+//!
+//! The first message's descriptor is a JSON command:
+//! `{"model": "sentiment", "text": "text", "text_pair": null, "columns": ["label", ...]}`
+//! (`model` defaults to the default model, `text` to `text`, `columns` to all four:
+//! `label`, `label_id`, `score`, `probabilities`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow::array::{ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch, StringArray};
+use arrow::buffer::OffsetBuffer;
+use arrow::datatypes::{DataType, Field, Schema};
+use arrow_flight::FlightData;
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use futures::{StreamExt, TryStreamExt};
+use serde::Deserialize;
+use tonic::{Response, Status, Streaming};
+
+use super::auth::Principal;
+use super::flight::Service;
+use super::scorer::Scorer;
+use crate::predict::float_list;
+
+/// Input batches scored at once while earlier ones are sent back.
+const IN_FLIGHT: usize = 2;
+
+const COLUMNS: [&str; 4] = ["label", "label_id", "score", "probabilities"];
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Command {
+    model: Option<String>,
+    #[serde(default = "default_text")]
+    text: String,
+    text_pair: Option<String>,
+    columns: Option<Vec<String>>,
+}
+
+fn default_text() -> String {
+    "text".into()
+}
+
+fn invalid(message: String) -> FlightError {
+    FlightError::Tonic(Box::new(Status::invalid_argument(message)))
+}
+
+pub(super) async fn exchange(
+    service: &Service,
+    who: &Principal,
+    mut input: Streaming<FlightData>,
+) -> Result<Response<super::flight::FlightStream>, Status> {
+    let permit = service.slot()?;
+    let started = Instant::now();
+    let first = input.message().await?.ok_or_else(|| {
+        Status::invalid_argument("DoExchange: the stream is empty; send a descriptor first")
+    })?;
+    let descriptor = first.flight_descriptor.clone().ok_or_else(|| {
+        Status::invalid_argument(
+            "DoExchange: the first message has no descriptor; use \
+             FlightDescriptor.for_command(b'{\"model\": \"...\", \"text\": \"text\"}')",
+        )
+    })?;
+    let command: Command = serde_json::from_slice(&descriptor.cmd).map_err(|e| {
+        Status::invalid_argument(format!(
+            "DoExchange: malformed descriptor command ({e}); send JSON such as \
+             {{\"model\": \"sentiment\", \"text\": \"text\"}}"
+        ))
+    })?;
+    let name = command.model.as_deref().unwrap_or("predict");
+    let scorer = service.scorers.get(name).cloned().ok_or_else(|| {
+        let served: Vec<&str> = service
+            .scorers
+            .keys()
+            .map(String::as_str)
+            .filter(|n| *n != "predict")
+            .collect();
+        Status::invalid_argument(if name == "predict" {
+            format!(
+                "DoExchange: no default model; name one with \"model\" (served: {})",
+                served.join(", ")
+            )
+        } else {
+            format!(
+                "DoExchange: unknown model `{name}`; served: {}",
+                served.join(", ")
+            )
+        })
+    })?;
+    let columns = command
+        .columns
+        .clone()
+        .unwrap_or_else(|| COLUMNS.iter().map(|c| c.to_string()).collect());
+    if let Some(bad) = columns.iter().find(|c| !COLUMNS.contains(&c.as_str())) {
+        return Err(Status::invalid_argument(format!(
+            "DoExchange: unknown output column `{bad}`; choose from {}",
+            COLUMNS.join(", ")
+        )));
+    }
+    let command = Arc::new(Command {
+        columns: Some(columns),
+        ..command
+    });
+    // Messages without an IPC header (the descriptor alone, as pyarrow sends it first, or
+    // app metadata) carry no rows.
+    let stream = futures::stream::once(async move { Ok(first) })
+        .chain(input)
+        .try_filter(|m| futures::future::ready(!m.data_header.is_empty()))
+        .map_err(|s| FlightError::Tonic(Box::new(s)));
+    let scored = FlightRecordBatchStream::new_from_flight_data(stream)
+        .map(move |batch| {
+            let (scorer, command) = (scorer.clone(), command.clone());
+            async move { score(&scorer, &command, batch?).await }
+        })
+        .buffered(IN_FLIGHT)
+        .and_then(|b| {
+            let schema = super::flight::wire_schema(&b.schema());
+            futures::future::ready(super::flight::to_wire(&b, &schema))
+        });
+    let limited = super::flight::limited(
+        scored,
+        service.query_timeout,
+        permit,
+        who.name.clone(),
+        started,
+    );
+    let out = FlightDataEncoderBuilder::new()
+        .build(limited)
+        .map_err(Status::from);
+    Ok(Response::new(Box::pin(out)))
+}
+
+/// `batch` with the command's prediction columns appended.
+async fn score(
+    scorer: &Scorer,
+    command: &Command,
+    batch: RecordBatch,
+) -> Result<RecordBatch, FlightError> {
+    let text_column = |name: &str| -> Result<ArrayRef, FlightError> {
+        let schema = batch.schema();
+        let (i, field) = schema.column_with_name(name).ok_or_else(|| {
+            let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+            invalid(format!(
+                "DoExchange: the input has no column `{name}` (columns: {}); name the text \
+                 column with \"text\" in the descriptor",
+                names.join(", ")
+            ))
+        })?;
+        match field.data_type() {
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
+                Ok(batch.column(i).clone())
+            }
+            other => Err(invalid(format!(
+                "DoExchange: column `{name}` is {other}, not a string; cast it to a string \
+                 before sending"
+            ))),
+        }
+    };
+    let texts = text_column(&command.text)?;
+    let pairs = command.text_pair.as_deref().map(text_column).transpose()?;
+    let scores = scorer
+        .score(&texts, pairs.as_ref())
+        .await
+        .map_err(|e| FlightError::Tonic(Box::new(Status::internal(e.to_string()))))?;
+    let rows = batch.num_rows();
+    let (ids, best) = scores.best();
+    let nulls = scores.nulls.clone();
+    let valid = |r: usize| nulls.as_ref().is_none_or(|n| n.is_valid(r));
+    let mut fields: Vec<Arc<Field>> = batch.schema().fields().iter().cloned().collect();
+    let mut arrays: Vec<ArrayRef> = batch.columns().to_vec();
+    for name in command.columns.iter().flatten() {
+        if batch.schema().column_with_name(name).is_some() {
+            return Err(invalid(format!(
+                "DoExchange: the input already has a column `{name}`; rename it, or choose the \
+                 output with \"columns\""
+            )));
+        }
+        let (data_type, array): (DataType, ArrayRef) = match name.as_str() {
+            "label" => (
+                DataType::Utf8,
+                Arc::new(StringArray::from_iter((0..rows).map(|r| {
+                    valid(r).then(|| scorer.labels[ids[r] as usize].as_str())
+                }))),
+            ),
+            "label_id" => (
+                DataType::Int64,
+                Arc::new(Int64Array::new(ids.clone().into(), nulls.clone())),
+            ),
+            "score" => (
+                DataType::Float32,
+                Arc::new(Float32Array::new(best.clone().into(), nulls.clone())),
+            ),
+            _ => (
+                float_list(),
+                Arc::new(ListArray::new(
+                    Arc::new(Field::new_list_field(DataType::Float32, false)),
+                    OffsetBuffer::from_lengths(std::iter::repeat_n(scores.classes, rows)),
+                    Arc::new(Float32Array::from(scores.probabilities.clone())),
+                    nulls.clone(),
+                )),
+            ),
+        };
+        fields.push(Arc::new(Field::new(name, data_type, true)));
+        arrays.push(array);
+    }
+    Ok(RecordBatch::try_new(Arc::new(Schema::new(fields)), arrays)?)
+}

@@ -1,0 +1,233 @@
+//! `pipeline serve`: a pipeline's tables and models over Arrow Flight SQL.
+//!
+//! Any Flight SQL client (ADBC, JDBC, `pyarrow.flight`) runs read-only SQL over the declared
+//! tables, each at its latest committed version, with the served models as SQL functions:
+//! `SELECT id, predict(text), predict_score(text) FROM reviews`. Spark's `mapInArrow` streams
+//! batches through DoExchange and gets them back with predictions appended. Both paths feed
+//! the same [`crate::predict::Engine`] as the batch `predict` stage, so results match it.
+//!
+//! Layout: `plan` validates the `serve:` section, `auth` checks callers, `scorer` wraps a
+//! model, `udf` turns it into SQL functions, `lake` makes each query's session, `flight`
+//! and `exchange` speak the protocol.
+
+mod auth;
+mod exchange;
+mod flight;
+mod lake;
+mod plan;
+mod scorer;
+mod udf;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use arrow_flight::flight_service_server::FlightServiceServer;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+
+pub use auth::hash_password;
+use plan::ServeConfig;
+
+use crate::error::{Error, Result};
+use crate::plan::Pipeline;
+
+/// Largest gRPC message accepted or sent (a DoExchange batch from Spark can be large).
+const MAX_MESSAGE: usize = 256 << 20;
+
+/// How to serve a pipeline.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct ServeOptions {
+    listen: Option<String>,
+}
+
+impl ServeOptions {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Listen here instead of the file's `serve.listen` (`host:port`; port 0 picks one).
+    pub fn with_listen(mut self, listen: Option<String>) -> Self {
+        self.listen = listen;
+        self
+    }
+}
+
+impl Pipeline {
+    /// Serves the pipeline's tables and models until SIGINT or SIGTERM; queries in flight
+    /// then get `serve.shutdown_grace` to finish.
+    pub async fn serve(&self, options: &ServeOptions) -> Result<()> {
+        let mut config = ServeConfig::from_pipeline(self, options.listen.as_deref())
+            .map_err(|m| Error::config(&self.file, m))?;
+        let declared: BTreeSet<&str> = self.tables.keys().map(String::as_str).collect();
+        if let Some(auth) = &config.auth {
+            let unknown = auth.unknown_tables(&declared);
+            if !unknown.is_empty() {
+                return Err(Error::config(
+                    &self.file,
+                    format!(
+                        "serve.auth.users_file: users may read tables that are not declared: \
+                         {}; declared: {}",
+                        unknown.join(", "),
+                        declared.iter().copied().collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+            }
+        }
+
+        let mut scorers = BTreeMap::new();
+        let mut by_index = Vec::new();
+        for m in &config.models {
+            let scorer = scorer::Scorer::start(m)
+                .await
+                .map_err(|e| Error::Model(format!("serve.models.{}: {e}", m.name)))?;
+            by_index.push(Arc::new(scorer));
+        }
+        let mut functions = Vec::new();
+        for (prefix, i) in config.prefixes() {
+            functions.extend(udf::functions(&prefix, &by_index[i]));
+            scorers.insert(prefix, by_index[i].clone());
+        }
+        let lake = lake::Lake::open(&self.tables, functions).await?;
+        let auth = config.auth.is_some();
+        let service = flight::Service::new(
+            lake,
+            scorers,
+            config.auth.take().map(Arc::new),
+            config.max_queries,
+            config.query_timeout,
+        )?;
+
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| Error::io(format!("listening on {}", config.listen), e))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the listening address", e))?;
+        let mut builder = Server::builder();
+        let scheme = match &config.tls {
+            Some((cert, key)) => {
+                builder = tls(builder, cert, key).map_err(|m| Error::config(&self.file, m))?;
+                "grpc+tls"
+            }
+            None => "grpc",
+        };
+        let models: Vec<String> = config
+            .models
+            .iter()
+            .map(|m| {
+                let default = if m.default { " = predict()" } else { "" };
+                format!("{}(){default}", m.name)
+            })
+            .collect();
+        println!("lakeml serve: listening on {scheme}://{address}");
+        println!(
+            "  tables: {}; models: {}",
+            declared.iter().copied().collect::<Vec<_>>().join(", "),
+            models.join(", ")
+        );
+        println!("{}", snippet(scheme, &address.to_string(), auth));
+
+        let flight = FlightServiceServer::new(flight::Front(Arc::new(service)))
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let mut server = tokio::spawn(builder.add_service(flight).serve_with_incoming_shutdown(
+            incoming,
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        tokio::select! {
+            finished = &mut server => {
+                return finished
+                    .map_err(|e| Error::Internal(format!("the server task failed: {e}")))?
+                    .map_err(|e| Error::Internal(format!("the server failed: {e}")));
+            }
+            signal = shutdown_signal() => {
+                eprintln!(
+                    "lakeml serve: {signal}: taking no new calls; queries in flight have {}s \
+                     to finish",
+                    config.grace.as_secs_f64()
+                );
+            }
+        }
+        let _ = stop.send(());
+        match tokio::time::timeout(config.grace, &mut server).await {
+            Ok(_) => eprintln!("lakeml serve: stopped"),
+            Err(_) => {
+                server.abort();
+                eprintln!(
+                    "lakeml serve: the grace period ({}s) is over; the queries still running \
+                     were cancelled",
+                    config.grace.as_secs_f64()
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Waits for SIGINT or SIGTERM; returns its name.
+async fn shutdown_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut term), Ok(mut int)) => tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            },
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+                "SIGINT"
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        "Ctrl-C"
+    }
+}
+
+#[cfg(feature = "tls")]
+fn tls(builder: Server, cert: &[u8], key: &[u8]) -> Result<Server, String> {
+    use tonic::transport::{Identity, ServerTlsConfig};
+    builder
+        .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))
+        .map_err(|e| format!("serve.tls: {e}"))
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls(_: Server, _: &[u8], _: &[u8]) -> Result<Server, String> {
+    Err(
+        "serve.tls: this build of lakeml has no TLS (built without the `tls` feature); \
+         rebuild with default features, or put a TLS proxy in front"
+            .into(),
+    )
+}
+
+/// A client snippet to paste, printed when the server is ready.
+fn snippet(scheme: &str, address: &str, auth: bool) -> String {
+    let login = if auth {
+        r#", db_kwargs={"username": "<user>", "password": "<password>"}"#
+    } else {
+        ""
+    };
+    let encryption = if scheme == "grpc+tls" {
+        "true"
+    } else {
+        "false"
+    };
+    format!(
+        "  Python (pip install adbc-driver-flightsql):\n    \
+         import adbc_driver_flightsql.dbapi as flight_sql\n    \
+         conn = flight_sql.connect(\"{scheme}://{address}\"{login})\n    \
+         conn.cursor().execute(\"SELECT predict('a fine film')\").fetchall()\n  \
+         JDBC: jdbc:arrow-flight-sql://{address}?useEncryption={encryption}"
+    )
+}
