@@ -8,5 +8,6 @@ mod mlflow;
 mod mlflow_server;
 mod predict;
 mod real_data;
+mod serve;
 mod tokenize;
 mod train;
