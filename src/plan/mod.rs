@@ -278,10 +278,15 @@ impl Pipeline {
 
     /// Checks every stage's query, columns and types against the tables as they are, and
     /// against what earlier stages will write, without running anything.
+    /// A `serve:` section is checked too (models, users, TLS files), without loading a model.
     pub async fn validate(&self) -> Result<()> {
         let ctx = catalog::session();
         self.register_tables(&ctx).await?;
-        self.check_stages(&ctx).await
+        self.check_stages(&ctx).await?;
+        if self.serve.is_some() {
+            crate::serve::check(self)?;
+        }
+        Ok(())
     }
 
     /// Registers every table that exists in `ctx`; returns what each one reads now (for

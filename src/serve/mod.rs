@@ -52,27 +52,42 @@ impl ServeOptions {
     }
 }
 
+/// Checks a pipeline's `serve:` section as `pipeline serve` would before binding.
+pub(crate) fn check(pipeline: &Pipeline) -> Result<()> {
+    let config =
+        ServeConfig::from_pipeline(pipeline, None).map_err(|m| Error::config(&pipeline.file, m))?;
+    check_users(pipeline, &config)
+}
+
+/// Every table a users file names must be declared.
+fn check_users(pipeline: &Pipeline, config: &ServeConfig) -> Result<()> {
+    let Some(auth) = &config.auth else {
+        return Ok(());
+    };
+    let declared: BTreeSet<&str> = pipeline.tables.keys().map(String::as_str).collect();
+    let unknown = auth.unknown_tables(&declared);
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    Err(Error::config(
+        &pipeline.file,
+        format!(
+            "serve.auth.users_file: users may read tables that are not declared: {}; \
+             declared: {}",
+            unknown.join(", "),
+            declared.iter().copied().collect::<Vec<_>>().join(", ")
+        ),
+    ))
+}
+
 impl Pipeline {
     /// Serves the pipeline's tables and models until SIGINT or SIGTERM; queries in flight
     /// then get `serve.shutdown_grace` to finish.
     pub async fn serve(&self, options: &ServeOptions) -> Result<()> {
         let mut config = ServeConfig::from_pipeline(self, options.listen.as_deref())
             .map_err(|m| Error::config(&self.file, m))?;
+        check_users(self, &config)?;
         let declared: BTreeSet<&str> = self.tables.keys().map(String::as_str).collect();
-        if let Some(auth) = &config.auth {
-            let unknown = auth.unknown_tables(&declared);
-            if !unknown.is_empty() {
-                return Err(Error::config(
-                    &self.file,
-                    format!(
-                        "serve.auth.users_file: users may read tables that are not declared: \
-                         {}; declared: {}",
-                        unknown.join(", "),
-                        declared.iter().copied().collect::<Vec<_>>().join(", ")
-                    ),
-                ));
-            }
-        }
 
         let mut scorers = BTreeMap::new();
         let mut by_index = Vec::new();
@@ -197,6 +212,8 @@ async fn shutdown_signal() -> &'static str {
 #[cfg(feature = "tls")]
 fn tls(builder: Server, cert: &[u8], key: &[u8]) -> Result<Server, String> {
     use tonic::transport::{Identity, ServerTlsConfig};
+    // Fails only when a provider is installed already, which is as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     builder
         .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))
         .map_err(|e| format!("serve.tls: {e}"))

@@ -39,8 +39,8 @@ const PREDICT: &str = "predict.yaml";
 const SERVE: &str = "serve.yaml";
 /// The `preds` table entry, for [`serve_yaml`].
 const PREDS: &str = "  preds: { delta: lake/preds }\n";
-/// What `pipeline serve` prints once it accepts connections, before the address.
-const LISTENING: &str = "listening on grpc://";
+/// What `pipeline serve` prints once it accepts connections, before its URI.
+const LISTENING: &str = "listening on ";
 
 fn ingest_yaml() -> String {
     format!(
@@ -241,7 +241,8 @@ fn assert_same_predictions(
 /// A running `pipeline serve FILE`; killed (SIGKILL) when dropped if still running.
 struct Server {
     child: Child,
-    /// `grpc://127.0.0.1:PORT`, from the line the server prints when ready.
+    /// `grpc://127.0.0.1:PORT` (`grpc+tls://` with TLS), from the line the server prints
+    /// when ready.
     uri: String,
     /// Everything the server wrote on stderr so far.
     stderr: Arc<Mutex<String>>,
@@ -295,12 +296,11 @@ impl Server {
             match rx.recv_timeout(Duration::from_millis(200)) {
                 Ok(line) => {
                     if let Some(at) = line.find(LISTENING) {
-                        let address = line[at + LISTENING.len()..]
+                        server.uri = line[at + LISTENING.len()..]
                             .split_whitespace()
                             .next()
                             .unwrap_or_default()
-                            .trim_end_matches(|c: char| !c.is_ascii_digit());
-                        server.uri = format!("grpc://{address}");
+                            .to_string();
                         return server;
                     }
                     printed.push(line);
@@ -927,4 +927,150 @@ fn bad_serve_settings_exit_2_naming_the_field() {
             assert!(err.contains(word), "{case}: `{word}` not named in: {err}");
         }
     }
+}
+
+#[test]
+fn a_query_past_its_timeout_is_stopped_and_a_query_over_the_limit_is_refused() {
+    let s = setup(300);
+    s.write(
+        SERVE,
+        &serve_yaml("", "10s").replace(
+            "limits: { max_concurrent_queries: 64, query_timeout: 60s }",
+            "limits: { max_concurrent_queries: 1, query_timeout: 5s }",
+        ),
+    );
+    let before = snapshot(&s.path().join("lake"));
+    let server = Server::start(&s, SERVE);
+    // 30 distinct texts per review (another suffix each time, so no cached score helps):
+    // 9000 predictions, far more than 5 s on these cores.
+    let slow = |tag: &str| {
+        format!(
+            "SELECT count(*) AS n, sum(predict_score(a.text || ' {tag}' || CAST(b.id AS VARCHAR))) \
+             FROM reviews a CROSS JOIN (SELECT id FROM reviews WHERE id <= 30) b"
+        )
+    };
+
+    let alone = query(&server, &BY_TOKEN, &[&slow("#")]);
+    let message = refusal(&alone, 0);
+    assert!(
+        message.contains("query_timeout"),
+        "the slow query was not stopped by the timeout: {alone}"
+    );
+    let elapsed = alone["results"][0]["elapsed_s"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
+    assert!(elapsed < 30.0, "stopped only after {elapsed} s");
+
+    // While the slow query holds the only slot, another query is refused (or, if the other
+    // query came first, the slow one is).
+    let marker = s.path().join("started");
+    let (uri, marker_arg, sql) = (
+        server.uri.clone(),
+        marker.to_str().expect("utf-8 path").to_string(),
+        slow("@"),
+    );
+    let long = std::thread::spawn(move || {
+        python(
+            "flight_query.py",
+            &[&uri, "--token", TOKEN, "--started", &marker_arg, &sql],
+        )
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !marker.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the slow query's client did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut refused = Vec::new();
+    while !long.is_finished() && refused.is_empty() {
+        let other = query(&server, &BY_TOKEN, &["SELECT count(*) FROM reviews"]);
+        if other["results"][0].get("rows").is_none() {
+            refused.push(other["results"][0]["message"].to_string());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let slow_result = long.join().expect("the slow query's client");
+    let slow_message = slow_result["results"][0]["message"].to_string();
+    refused.push(slow_message);
+    assert!(
+        refused.iter().any(|m| m.contains("max_concurrent_queries")),
+        "no query was refused while the only slot was taken: {refused:?}"
+    );
+    // The slot is free again.
+    let after = query(&server, &BY_TOKEN, &["SELECT count(*) FROM reviews"]);
+    assert_eq!(rows(&after, 0), &json!([[300]]));
+    server.stop();
+    assert!(
+        snapshot(&s.path().join("lake")) == before,
+        "a refused or stopped query changed files under lake/"
+    );
+}
+
+#[test]
+fn tls_serves_clients_that_trust_the_certificate() {
+    let s = setup(20);
+    let made = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            "key.pem",
+            "-out",
+            "cert.pem",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ])
+        .current_dir(s.path())
+        .output()
+        .expect("run openssl");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    s.write(
+        SERVE,
+        &serve_yaml("", "10s").replace(
+            "  limits:",
+            "  tls: { cert: cert.pem, key: key.pem }\n  limits:",
+        ),
+    );
+    let server = Server::start(&s, SERVE);
+    assert!(
+        server.uri.starts_with("grpc+tls://127.0.0.1:"),
+        "{}",
+        server.uri
+    );
+    let cert = s.path().join("cert.pem");
+    let trusted = query(
+        &server,
+        &[
+            "--token",
+            TOKEN,
+            "--tls-root",
+            cert.to_str().expect("utf-8 path"),
+        ],
+        &["SELECT count(*), count(predict(text)) FROM reviews"],
+    );
+    assert_eq!(rows(&trusted, 0), &json!([[20, 20]]));
+    // A client that does not trust the certificate gets no answer.
+    let untrusted = query(
+        &server,
+        &["--token", TOKEN, "--timeout", "20"],
+        &["SELECT count(*) FROM reviews"],
+    );
+    assert!(
+        untrusted["connect_error"].is_object() || untrusted["results"][0].get("rows").is_none(),
+        "a client without the CA read rows: {untrusted}"
+    );
+    server.stop();
 }

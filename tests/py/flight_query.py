@@ -1,7 +1,8 @@
 """Run SQL statements on `pipeline serve` through ADBC's Flight SQL DB-API driver.
 
 usage: flight_query.py URI (--token TOKEN | --user USER --password PASSWORD)
-                       [--started FILE] [--timeout S] [--deadline S] SQL [SQL ...]
+                       [--started FILE] [--timeout S] [--deadline S] [--tls-root PEM]
+                       SQL [SQL ...]
 Runs each statement in turn on one connection. A failing statement (or a failed connect) is
 recorded, not raised, so the caller sees every outcome. `--started FILE` creates FILE just
 before the first statement is sent (to time a signal against a query in flight); `--timeout`
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--started")
     parser.add_argument("--timeout", default="300")
     parser.add_argument("--deadline", type=float, default=900.0)
+    parser.add_argument("--tls-root", help="a PEM file of the CA that signed a TLS server's certificate")
     parser.add_argument("sql", nargs="+")
     args = parser.parse_args()
 
@@ -67,6 +69,9 @@ def main() -> None:
         options.TIMEOUT_FETCH.value: args.timeout,
         options.TIMEOUT_UPDATE.value: args.timeout,
     }
+    if args.tls_root:
+        with open(args.tls_root) as f:
+            db_kwargs[options.TLS_ROOT_CERTS.value] = f.read()
     if args.token is not None:
         db_kwargs[options.AUTHORIZATION_HEADER.value] = "Bearer " + args.token
     else:
