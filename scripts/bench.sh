@@ -6,6 +6,9 @@
 #   scripts/bench.sh predict [args]    lakeml predict vs HF pipeline and Trainer.predict
 #                                      (benches/bench_predict.py; --precision fp32|bf16|both,
 #                                      --repeats N, --rows N, --model DIR, --out FILE)
+#   scripts/bench.sh serve [args]      pipeline serve (Flight SQL, DoExchange, 1/4/16 clients) vs
+#                                      the predict stage (benches/bench_serve.py; --precision
+#                                      fp32|bf16, --repeats N, --rows N, --model DIR, --out FILE)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_venv
 ensure_assets
@@ -23,5 +26,6 @@ print(exes[-1])')"
     exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_tokenize.py" --bin "$LAKEML_BIN" --core "$core" "$@" ;;
   train) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_train.py" --bin "$LAKEML_BIN" "$@" ;;
   predict) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_predict.py" --bin "$LAKEML_BIN" "$@" ;;
-  *) echo "unknown benchmark '$what' (known: tokenize, train, predict)" >&2; exit 2 ;;
+  serve) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_serve.py" --bin "$LAKEML_BIN" "$@" ;;
+  *) echo "unknown benchmark '$what' (known: tokenize, train, predict, serve)" >&2; exit 2 ;;
 esac
