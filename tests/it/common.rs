@@ -116,3 +116,57 @@ pub fn python(script: &str, args: &[&str]) -> serde_json::Value {
         )
     })
 }
+
+/// Reviews `1..=ROWS` (env) of the Rotten Tomatoes corpus into the Delta table `reviews`
+/// (`id`, `text`, `truth`): the pipeline [`ingest_yaml`] writes, run by [`ingest`].
+pub const INGEST: &str = "ingest.yaml";
+
+pub fn ingest_yaml() -> String {
+    format!(
+        r#"name: ingest
+tables:
+  rt: {{ csv: {csv} }}
+  reviews: {{ delta: lake/reviews }}
+stages:
+  - write:
+      to: reviews
+      sql: |
+        SELECT CAST(row_number() OVER (ORDER BY text, movie_name) AS BIGINT) AS id, text,
+               category AS truth
+        FROM rt WHERE category IN ('fresh', 'rotten')
+        ORDER BY id LIMIT ${{ROWS}}
+"#,
+        csv = assets()
+            .join("rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2")
+            .display()
+    )
+}
+
+/// A MiniLM classifier directory `name` (labels comma-separated, head drawn with `seed`),
+/// made by transformers (tests/py/make_classifier.py).
+pub fn make_model_with(s: &Scratch, name: &str, labels: &str, seed: u32) {
+    python(
+        "make_classifier.py",
+        &[
+            minilm().to_str().expect("utf-8 path"),
+            s.path().join(name).to_str().expect("utf-8 path"),
+            labels,
+            &seed.to_string(),
+        ],
+    );
+}
+
+/// Runs [`INGEST`] in the scratch directory with `rows` reviews.
+pub fn ingest(s: &Scratch, rows: usize) {
+    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(["run", "-q", INGEST])
+        .env("ROWS", rows.to_string())
+        .current_dir(s.path())
+        .output()
+        .expect("run ingest");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -7,33 +7,10 @@ use std::collections::HashSet;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::common::{Scratch, assets, minilm, python};
+use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, minilm, python};
 
-/// Reviews `1..=ROWS` (env) of the Rotten Tomatoes corpus into the Delta table `reviews`.
-const INGEST: &str = "ingest.yaml";
 /// The predict pipeline over `reviews` (see [`predict_yaml`]).
 const PREDICT: &str = "predict.yaml";
-
-fn ingest_yaml() -> String {
-    format!(
-        r#"name: ingest
-tables:
-  rt: {{ csv: {csv} }}
-  reviews: {{ delta: lake/reviews }}
-stages:
-  - write:
-      to: reviews
-      sql: |
-        SELECT CAST(row_number() OVER (ORDER BY text, movie_name) AS BIGINT) AS id, text,
-               category AS truth
-        FROM rt WHERE category IN ('fresh', 'rotten')
-        ORDER BY id LIMIT ${{ROWS}}
-"#,
-        csv = assets()
-            .join("rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2")
-            .display()
-    )
-}
 
 /// A predict stage over `reviews` into `preds`, with more settings (six-space indent).
 fn predict_yaml(settings: &str) -> String {
@@ -57,32 +34,6 @@ fn setup(rows: usize, settings: &str) -> Scratch {
 
 fn make_model(s: &Scratch, name: &str, seed: u32) {
     make_model_with(s, name, "rotten,fresh", seed);
-}
-
-fn make_model_with(s: &Scratch, name: &str, labels: &str, seed: u32) {
-    python(
-        "make_classifier.py",
-        &[
-            minilm().to_str().expect("utf-8 path"),
-            s.path().join(name).to_str().expect("utf-8 path"),
-            labels,
-            &seed.to_string(),
-        ],
-    );
-}
-
-fn ingest(s: &Scratch, rows: usize) {
-    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
-        .args(["run", "-q", INGEST])
-        .env("ROWS", rows.to_string())
-        .current_dir(s.path())
-        .output()
-        .expect("run ingest");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn read_delta(s: &Scratch, table: &str) -> serde_json::Value {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::common::{Scratch, assets, minilm, python};
+use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, minilm, python};
 
 /// The static Bearer token, given to the server as `LAKEML_TOKEN`.
 const TOKEN: &str = "lakeml-serve-test-token";
@@ -31,8 +31,6 @@ const AS_BOB: [&str; 4] = ["--user", BOB, "--password", BOB_PASSWORD];
 /// The model's labels by id (make_classifier.py).
 const LABELS: [&str; 2] = ["rotten", "fresh"];
 
-/// Reviews `1..=ROWS` (env) of the Rotten Tomatoes corpus into the Delta table `reviews`.
-const INGEST: &str = "ingest.yaml";
 /// A predict stage over `reviews` into `preds`.
 const PREDICT: &str = "predict.yaml";
 /// The serve-only pipeline (see [`serve_yaml`]).
@@ -41,27 +39,6 @@ const SERVE: &str = "serve.yaml";
 const PREDS: &str = "  preds: { delta: lake/preds }\n";
 /// What `pipeline serve` prints once it accepts connections, before its URI.
 const LISTENING: &str = "listening on ";
-
-fn ingest_yaml() -> String {
-    format!(
-        r#"name: ingest
-tables:
-  rt: {{ csv: {csv} }}
-  reviews: {{ delta: lake/reviews }}
-stages:
-  - write:
-      to: reviews
-      sql: |
-        SELECT CAST(row_number() OVER (ORDER BY text, movie_name) AS BIGINT) AS id, text,
-               category AS truth
-        FROM rt WHERE category IN ('fresh', 'rotten')
-        ORDER BY id LIMIT ${{ROWS}}
-"#,
-        csv = assets()
-            .join("rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2")
-            .display()
-    )
-}
 
 const PREDICT_YAML: &str = "name: p\ntables:\n  reviews: { delta: lake/reviews }\n  \
     preds: { delta: lake/preds }\nstages:\n  - predict:\n      from: reviews\n      \
@@ -85,32 +62,6 @@ tables:
   shutdown_grace: {grace}
 "#
     )
-}
-
-fn make_model(s: &Scratch) {
-    python(
-        "make_classifier.py",
-        &[
-            minilm().to_str().expect("utf-8 path"),
-            s.path().join("model").to_str().expect("utf-8 path"),
-            &LABELS.join(","),
-            "0",
-        ],
-    );
-}
-
-fn ingest(s: &Scratch, rows: usize) {
-    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
-        .args(["run", "-q", INGEST])
-        .env("ROWS", rows.to_string())
-        .current_dir(s.path())
-        .output()
-        .expect("run ingest");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 /// `pipeline hash-password`, the password on stdin; returns the PHC string it prints.
@@ -150,7 +101,7 @@ fn hash_password(s: &Scratch, password: &str) -> String {
 /// (alice: every table; bob: `reviews` only).
 fn setup(rows: usize) -> Scratch {
     let s = Scratch::new();
-    make_model(&s);
+    make_model_with(&s, "model", &LABELS.join(","), 0);
     s.write(INGEST, &ingest_yaml());
     ingest(&s, rows);
     let alice = hash_password(&s, ALICE_PASSWORD);
@@ -875,7 +826,7 @@ fn serve_refused(s: &Scratch, file: &str) -> (Option<i32>, String) {
 #[test]
 fn bad_serve_settings_exit_2_naming_the_field() {
     let s = Scratch::new();
-    make_model(&s);
+    make_model_with(&s, "model", &LABELS.join(","), 0);
     s.write("reviews.csv", "id,text\n1,great film\n2,dull\n");
     // Only the certificate is missing: the key file exists (its content is never reached).
     s.write("key.pem", "not a key\n");
