@@ -53,6 +53,8 @@ pub(super) type FlightStream =
 const PARTITION_LOCAL: &[&str] = &[
     "DataSourceExec",
     "DeltaScan",
+    // delta-rs' scan node; a table with deletion vectors has it on a single partition.
+    "DeltaScanExec",
     "ProjectionExec",
     "FilterExec",
     "CoalesceBatchesExec",

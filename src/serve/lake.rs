@@ -84,7 +84,19 @@ impl Lake {
                 "datafusion.execution.parquet.schema_force_view_types",
                 false,
             )
-            .set_bool("datafusion.sql_parser.map_string_types_to_utf8view", false);
+            .set_bool("datafusion.sql_parser.map_string_types_to_utf8view", false)
+            // Spread a scan of more than a batch (8192 rows) over the cores however few bytes
+            // it reads: a row here may cost a model pass, and each partition becomes a Flight
+            // endpoint that a client (Spark) reads in parallel. DataFusion's default leaves
+            // scans under 1 MiB whole.
+            .set_usize("datafusion.optimizer.repartition_file_min_size", 0)
+            // Each endpoint runs its partition alone, in a plan of its own: partitions must
+            // read their own file groups, not steal from a queue holding every file (with
+            // stealing on, each endpoint would return the whole table).
+            .set_bool(
+                "datafusion.execution.enable_file_stream_work_stealing",
+                false,
+            );
         let state = SessionStateBuilder::new()
             .with_default_features()
             .with_config(config)
