@@ -9,5 +9,6 @@ mod mlflow_server;
 mod predict;
 mod real_data;
 mod serve;
+mod serving;
 mod tokenize;
 mod train;
