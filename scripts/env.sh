@@ -47,6 +47,19 @@ ensure_venv() {
     "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check -r "$LAKEML_ROOT/scripts/requirements.txt"
     echo "$want" > "$LAKEML_VENV/.requirements"
   fi
+  # lakeml_spark (python/), for Spark jobs and the benchmarks run with this venv (the tests
+  # import it from the checkout instead); reinstalled whenever a file of it changes. Its
+  # dependencies (pyspark, pyarrow, deltalake) are in requirements.txt already.
+  want="$(cd "$LAKEML_ROOT/python" && find pyproject.toml README.md src -type f -name '*.*' \
+    ! -path '*.egg-info/*' ! -name '*.pyc' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)"
+  have=""
+  [[ -f "$LAKEML_VENV/.lakeml-spark" ]] && have="$(cat "$LAKEML_VENV/.lakeml-spark")"
+  if [[ "$want" != "$have" ]]; then
+    log "installing lakeml-spark (python/) into $LAKEML_VENV"
+    "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check --no-deps "$LAKEML_ROOT/python"
+    rm -rf "$LAKEML_ROOT/python/build"
+    echo "$want" > "$LAKEML_VENV/.lakeml-spark"
+  fi
 }
 
 # mlflow gets its own venv: it pins its own versions of packages the torch venv holds too,

@@ -10,5 +10,6 @@ mod predict;
 mod real_data;
 mod serve;
 mod serving;
+mod spark;
 mod tokenize;
 mod train;
