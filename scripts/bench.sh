@@ -9,6 +9,11 @@
 #   scripts/bench.sh serve [args]      pipeline serve (Flight SQL, DoExchange, 1/4/16 clients) vs
 #                                      the predict stage (benches/bench_serve.py; --precision
 #                                      fp32|bf16, --repeats N, --rows N, --model DIR, --out FILE)
+#   scripts/bench.sh spark [args]      Spark local[2] + one `pipeline serve` worker (lakeml_spark) vs
+#                                      the predict stage and vs a Spark pandas UDF over transformers,
+#                                      plus the scaling model's inputs (benches/bench_spark.py;
+#                                      --precision, --repeats N, --rows N, --threads N, --partitions N,
+#                                      --side all|stage|lakeml|hf|model, --out FILE); needs Java 17
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_venv
 ensure_assets
@@ -27,5 +32,8 @@ print(exes[-1])')"
   train) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_train.py" --bin "$LAKEML_BIN" "$@" ;;
   predict) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_predict.py" --bin "$LAKEML_BIN" "$@" ;;
   serve) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_serve.py" --bin "$LAKEML_BIN" "$@" ;;
-  *) echo "unknown benchmark '$what' (known: tokenize, train, predict, serve)" >&2; exit 2 ;;
+  spark)
+    ensure_java
+    exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_spark.py" --bin "$LAKEML_BIN" "$@" ;;
+  *) echo "unknown benchmark '$what' (known: tokenize, train, predict, serve, spark)" >&2; exit 2 ;;
 esac
