@@ -190,6 +190,9 @@ pub(crate) struct TrainSpec {
     /// The run directory: `model/` (the result), `checkpoints/`, `metrics.jsonl`,
     /// `tensorboard/`.
     pub output: String,
+    /// The id column (any type tokenize accepts); rows are put in its order before the
+    /// seeded shuffle. Default: the id column the tokenize stage recorded, else `id`.
+    pub id: Option<String>,
     /// Column naming each row's split (`train`, `validation`, `test`).
     #[serde(default = "default_split")]
     pub split: String,

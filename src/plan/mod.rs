@@ -21,6 +21,7 @@ pub(crate) use checks::is_string;
 use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
 pub(crate) use predict::{Inference, inference_settings, model_labels};
 use tables::table_def;
+pub(crate) use train::id_column as train_id_column;
 
 /// A validated pipeline, ready to run.
 #[derive(Debug)]
@@ -228,9 +229,9 @@ impl Pipeline {
                         batch_rows: t.batch_rows,
                     })
                 }
-                StageKind::Train(t) => {
-                    Stage::Train(Box::new(train::train_stage(&base, i, *t).map_err(err)?))
-                }
+                StageKind::Train(t) => Stage::Train(Box::new(
+                    train::train_stage(&base, i, *t, &stages).map_err(err)?,
+                )),
                 StageKind::Predict(p) => {
                     let stage = predict::predict_stage(&base, i, *p, &stages).map_err(err)?;
                     output_table(&tables, &stage.to, &stage.field).map_err(err)?;
@@ -335,7 +336,8 @@ impl Pipeline {
                     let schema = plan_schema(ctx, &t.query, &self.tables)
                         .await
                         .map_err(err)?;
-                    train::check_train_columns(t, &schema).map_err(err)?;
+                    let id = train::id_column(t, &self.tables).await?;
+                    train::check_train_columns(t, &id, &schema).map_err(err)?;
                 }
                 Stage::Predict(p) => {
                     let schema = plan_schema(ctx, &p.query, &self.tables)

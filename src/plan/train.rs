@@ -1,13 +1,16 @@
 //! Planning a `train` stage: settings checked and defaulted, the model directory and the
 //! device checked, before any work.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use arrow::datatypes::{DataType, Schema};
 
-use super::checks::column_list;
-use super::{query, resolve};
+use super::checks::{column_list, is_string};
+use super::{Stage, query, resolve};
+use crate::catalog::TableDef;
 use crate::config::{Every as EverySpec, Precision, TrainSpec};
+use crate::delta;
 use crate::model::ModelConfig;
 use crate::train::{EarlyStopping, Every, METRIC_NAMES, TrainSettings, TrainStage};
 
@@ -65,7 +68,12 @@ pub(super) fn device(field: &str, spec: &str) -> Result<tch::Device, String> {
     }
 }
 
-pub(super) fn train_stage(base: &Path, i: usize, t: TrainSpec) -> Result<TrainStage, String> {
+pub(super) fn train_stage(
+    base: &Path,
+    i: usize,
+    t: TrainSpec,
+    earlier: &[Stage],
+) -> Result<TrainStage, String> {
     let field = format!("stages[{i}].train");
     let f = field.as_str();
     let query = query(base, &t.source, f)?;
@@ -172,6 +180,14 @@ pub(super) fn train_stage(base: &Path, i: usize, t: TrainSpec) -> Result<TrainSt
     let threads = t.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
+    // The id column of the tokenize stage in this file that writes the table read here.
+    let id = t.id.or_else(|| {
+        let from = t.source.from.as_ref()?;
+        earlier.iter().rev().find_map(|s| match s {
+            Stage::Tokenize(k) if &k.to == from => Some(k.policy.id.clone()),
+            _ => None,
+        })
+    });
     Ok(TrainStage {
         name: t.name.unwrap_or_else(|| "train".into()),
         field,
@@ -179,6 +195,8 @@ pub(super) fn train_stage(base: &Path, i: usize, t: TrainSpec) -> Result<TrainSt
         output: resolve(base, &t.output),
         model,
         config,
+        id,
+        from: t.source.from,
         split: t.split,
         labels: t.labels,
         device,
@@ -216,15 +234,39 @@ pub(super) fn train_stage(base: &Path, i: usize, t: TrainSpec) -> Result<TrainSt
     })
 }
 
-/// The columns a train stage reads: `id` int64, `input_ids` list of int32, an integer
-/// `label`, and the split column (strings).
-pub(super) fn check_train_columns(t: &TrainStage, schema: &Schema) -> Result<(), String> {
+/// The id column a train stage reads: `id:`, else the tokenize stage of this file that
+/// writes the `from:` table (both settled when the file loads), else the id column the
+/// table's last tokenize commit recorded, else `id`.
+pub(crate) async fn id_column(
+    t: &TrainStage,
+    tables: &BTreeMap<String, TableDef>,
+) -> crate::error::Result<String> {
+    if let Some(id) = &t.id {
+        return Ok(id.clone());
+    }
+    if let Some(def) = t.from.as_ref().and_then(|from| tables.get(from))
+        && let Some(table) = delta::open_target(def).await?
+        && let Some(id) = delta::last_commit(&table)
+            .await?
+            .and_then(|c| c.tag)
+            .and_then(|tag| tag.pointer("/extra/id").cloned())
+            .and_then(|v| v.as_str().map(str::to_string))
+    {
+        return Ok(id);
+    }
+    Ok("id".into())
+}
+
+/// The columns a train stage reads: the id column `id` (integers or strings), `input_ids`
+/// list of int32, an integer `label`, and the split column (strings).
+pub(super) fn check_train_columns(t: &TrainStage, id: &str, schema: &Schema) -> Result<(), String> {
     let get =
         |name: &str| {
             schema.field_with_name(name).map(|f| f.data_type().clone()).map_err(|_| {
             format!(
                 "{}: column `{name}` not found in the stage's query (columns: {}); train reads \
-                 a tokenized table (id, input_ids, label, and the split column)",
+                 a tokenized table (its id column, input_ids, label, and the split column; \
+                 `id:` names the id column)",
                 t.field,
                 column_list(schema)
             )
@@ -236,9 +278,9 @@ pub(super) fn check_train_columns(t: &TrainStage, schema: &Schema) -> Result<(),
             t.field
         ))
     };
-    match get("id")? {
-        DataType::Int64 => {}
-        other => return wrong("id", "int64", &other),
+    match get(id)? {
+        ty if ty.is_integer() || is_string(&ty) => {}
+        other => return wrong(id, "integers or strings (the id column)", &other),
     }
     match get("input_ids")? {
         DataType::List(item) if item.data_type() == &DataType::Int32 => {}

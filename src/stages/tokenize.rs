@@ -1,4 +1,4 @@
-//! The `tokenize` stage: a text column into the tokenized table (design.md), streamed in
+//! The `tokenize` stage: a text column into the tokenized table (ARCHITECTURE.md), streamed in
 //! bounded memory, written in one commit, and reused while its fingerprint matches.
 
 use std::collections::HashMap;
@@ -137,6 +137,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TokenizeStage) -> Result<StageRep
             })
     };
     let extra = json!({
+        "id": stage.policy.id,
         "labels": label_names,
         "tokenizer": stage.tokenizer.display().to_string(),
         "max_length": stage.encoder.settings().max_length,

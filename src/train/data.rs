@@ -5,13 +5,16 @@ use std::collections::BTreeSet;
 use arrow::array::{Array, AsArray};
 use arrow::datatypes::{DataType, Int32Type, Int64Type};
 use arrow::record_batch::RecordBatch;
+use arrow::util::display::{ArrayFormatter, FormatOptions};
 
 use crate::error::{Error, Result};
+
+/// The name the stage's id column is read under.
+pub(crate) const ID: &str = "id";
 
 /// Rows of one split: token ids packed end to end.
 #[derive(Debug, Default)]
 pub(crate) struct Split {
-    pub ids: Vec<i64>,
     pub tokens: Vec<i32>,
     /// `offsets[i]..offsets[i + 1]` are row `i`'s tokens.
     pub offsets: Vec<usize>,
@@ -27,11 +30,11 @@ impl Split {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.ids.len()
+        self.labels.len()
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.labels.is_empty()
     }
 
     pub(crate) fn row(&self, i: usize) -> &[i32] {
@@ -63,8 +66,8 @@ pub(crate) struct Limits {
     pub max_positions: i64,
 }
 
-/// Builds the dataset from the stage's query result (`id`, `input_ids`, `label`, split
-/// column). `names` are class names by id when known (`labels:` or the tokenize stage's
+/// Builds the dataset from the stage's query result ([`ID`], `input_ids`, `label`, split
+/// column), in the rows' order. `names` are class names by id when known (`labels:` or the tokenize stage's
 /// record); otherwise the distinct label values, sorted, become the classes.
 pub(crate) fn dataset(
     batches: &[RecordBatch],
@@ -80,10 +83,8 @@ pub(crate) fn dataset(
                 Error::Internal(format!("column `{name}` vanished after validation"))
             })
         };
-        let ids = col("id")?
-            .as_primitive_opt::<Int64Type>()
-            .ok_or_else(|| Error::Data("column `id` must be int64".into()))?
-            .clone();
+        let ids = ArrayFormatter::try_new(col(ID)?.as_ref(), &FormatOptions::default())
+            .map_err(|e| Error::Internal(format!("formatting ids: {e}")))?;
         let input_ids = col("input_ids")?.as_list::<i32>().clone();
         let labels = arrow::compute::cast(col("label")?, &DataType::Int64)
             .map_err(|e| Error::Data(format!("column `label`: {e}")))?;
@@ -128,7 +129,6 @@ pub(crate) fn dataset(
                     limits.vocab_size
                 )));
             }
-            target.ids.push(id);
             target.tokens.extend_from_slice(tokens.values());
             target.offsets.push(target.tokens.len());
             target.labels.push(labels.value(row));

@@ -194,7 +194,6 @@ mod tests {
             ..Split::default()
         };
         for (i, &n) in lengths.iter().enumerate() {
-            s.ids.push(i as i64);
             s.tokens.extend(std::iter::repeat_n(7, n));
             s.offsets.push(s.tokens.len());
             s.labels.push((i % 2) as i64);

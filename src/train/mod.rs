@@ -32,6 +32,12 @@ pub(crate) struct TrainStage {
     /// The model's `config.json`, read once when the pipeline file is.
     pub config: crate::model::ModelConfig,
     pub output: PathBuf,
+    /// The id column as given (`id:`) or as the tokenize stage of this file that writes the
+    /// table writes it; `None`: as the table's tokenize commit recorded it, else `id`
+    /// (`plan::train::id_column`).
+    pub id: Option<String>,
+    /// The table of `from:`, where a recorded id column is looked up.
+    pub from: Option<String>,
     pub split: String,
     pub labels: Option<Vec<String>>,
     pub device: tch::Device,

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use datafusion::prelude::col;
+use datafusion::common::Column;
+use datafusion::prelude::Expr;
 use serde_json::{Value, json};
 
 use super::TrainStage;
@@ -60,18 +61,23 @@ async fn recorded_labels(run: &Run<'_>, tables: &[String]) -> Result<Option<Vec<
 pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport> {
     let context = || format!("stage `{}` ({})", stage.name, stage.query.origin);
     let engine = |e| Error::engine(context(), e);
+    let id = crate::plan::train_id_column(stage, &run.pipeline.tables).await?;
+    let column = |name: &str| Expr::Column(Column::from_name(name));
+    // Rows in the id's order (ties by label and tokens), whatever order the table's files
+    // hold them in: the seeded shuffle then gives the same batches on every run.
     let df = run
         .ctx
         .sql(&stage.query.sql)
         .await
         .map_err(engine)?
         .select(vec![
-            col("id"),
-            col("input_ids"),
-            col("label"),
-            col(format!("\"{}\"", stage.split.replace('"', "\"\""))),
+            column(&id).alias(data::ID),
+            column("input_ids"),
+            column("label"),
+            column(&stage.split),
         ])
         .map_err(engine)?;
+
     let inputs = fingerprint::plan_inputs(df.logical_plan(), &run.identities)?;
     let names = match &stage.labels {
         Some(names) => Some(names.clone()),
@@ -82,6 +88,7 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         "sql": stage.query.sql,
         "inputs": inputs,
         "split": stage.split,
+        "id": id,
         "labels": names,
         "model": model_identity(&stage.model),
         "device": stage.device_name(),

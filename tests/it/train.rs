@@ -349,3 +349,182 @@ fn running_out_of_memory_is_a_clear_error_not_a_crash() {
     );
     assert!(!s.path().join("run/model").exists());
 }
+
+/// Stages: `rows` Rotten Tomatoes reviews into `reviews` with the id column `{id_sql} AS
+/// {id}` (`n`: the review's number, by text) and a split by `n`, then tokenized with MiniLM
+/// into `tokenized`, keyed by `id`. Tables `rt`, `reviews` and `tokenized` come from
+/// [`TABLES`].
+fn reviews_tokenized(rows: usize, id_sql: &str, id: &str) -> String {
+    format!(
+        r#"  - write:
+      to: reviews
+      sql: |
+        SELECT {id_sql} AS {id}, text, label,
+               CASE WHEN n % 5 = 0 THEN 'validation' WHEN n % 5 = 1 THEN 'test'
+                    ELSE 'train' END AS split
+        FROM (SELECT CAST(row_number() OVER (ORDER BY text, movie_name) AS BIGINT) AS n,
+                     text, category AS label
+              FROM rt WHERE category IN ('fresh', 'rotten') ORDER BY text LIMIT {rows})
+  - tokenize:
+      from: reviews
+      tokenizer: {tokenizer}
+      id: {id}
+      label: label
+      keep: [split]
+      max_length: 64
+      to: tokenized
+"#,
+        tokenizer = minilm().display(),
+    )
+}
+
+/// The tables of [`reviews_tokenized`], and `more` (entries indented by two spaces).
+fn tables(more: &str) -> String {
+    format!(
+        "tables:\n  rt: {{ csv: {csv} }}\n  reviews: {{ delta: lake/reviews }}\n  \
+         tokenized: {{ delta: lake/tokenized }}\n{more}",
+        csv = assets()
+            .join("rotten_tomatoes/rotten_tomatoes_corpus_full.csv.bz2")
+            .display()
+    )
+}
+
+/// A train stage named `name` reading `from` into `output`, a few exact steps.
+fn short_train(name: &str, from: &str, output: &str) -> String {
+    format!(
+        "  - train:\n      name: {name}\n      from: {from}\n      model: {model}\n      \
+         output: {output}\n      batch_size: 8\n      max_steps: 4\n      eval_every: none\n      \
+         save: final\n      threads: 1\n",
+        model = minilm().display()
+    )
+}
+
+/// A Delta table as tests/py/read_delta.py reads it.
+fn read_table(s: &Scratch, table: &str) -> serde_json::Value {
+    python(
+        "read_delta.py",
+        &[s.path().join(table).to_str().expect("utf-8 path")],
+    )
+}
+
+/// The first column of a Delta table as stored (files in the log's order, then rows).
+fn stored_ids(s: &Scratch, table: &str) -> Vec<serde_json::Value> {
+    read_table(s, table)["stored_order"]
+        .as_array()
+        .expect("stored_order")
+        .clone()
+}
+
+#[test]
+fn the_same_rows_in_another_file_and_row_order_train_the_same_weights() {
+    let s = Scratch::new();
+    // `in_order`: the tokenized rows by id, one file. `shuffled`: the same rows in two
+    // files, odd ids descending, then even ids by length.
+    let file = format!(
+        "name: order\n{tables}stages:\n{prep}{copies}{a}{b}",
+        tables =
+            tables("  in_order: { delta: lake/in_order }\n  shuffled: { delta: lake/shuffled }\n"),
+        prep = reviews_tokenized(96, "n", "id"),
+        copies = "  - write:\n      to: in_order\n      sql: SELECT * FROM tokenized ORDER BY id\n  \
+                  - write:\n      name: odd\n      to: shuffled\n      sql: SELECT * FROM \
+                  tokenized WHERE id % 2 = 1 ORDER BY id DESC\n  - write:\n      name: even\n      \
+                  to: shuffled\n      mode: append\n      sql: SELECT * FROM tokenized WHERE id % 2 \
+                  = 0 ORDER BY length, id DESC\n",
+        a = short_train("a", "in_order", "run_a"),
+        b = short_train("b", "shuffled", "run_b"),
+    );
+    s.write("order.yaml", &file);
+    s.run_ok(&["order.yaml"]);
+    let (a, b) = (
+        stored_ids(&s, "lake/in_order"),
+        stored_ids(&s, "lake/shuffled"),
+    );
+    let sorted = |v: &[serde_json::Value]| {
+        let mut ids: Vec<u64> = v.iter().map(|i| i.as_u64().expect("id")).collect();
+        ids.sort_unstable();
+        ids
+    };
+    assert_eq!(sorted(&a), sorted(&b), "not the same rows");
+    assert_ne!(a, b, "the two tables hold their rows in the same order");
+    let weights = |run: &str| {
+        s.path()
+            .join(run)
+            .join("model/model.safetensors")
+            .to_str()
+            .expect("utf-8 path")
+            .to_string()
+    };
+    let cmp = python(
+        "compare_weights.py",
+        &[&weights("run_a"), &weights("run_b")],
+    );
+    assert_eq!(cmp["names_equal"], true, "{cmp}");
+    assert_eq!(cmp["max_abs_diff"], 0.0, "{cmp}");
+}
+
+#[test]
+fn string_ids_tokenize_train_and_predict_end_to_end() {
+    let s = Scratch::new();
+    let id_sql = "'review-' || CAST(n AS VARCHAR)";
+    // Tokenized in one file: `tokenized` records `doc_id` as its id column...
+    s.write(
+        "prep.yaml",
+        &format!(
+            "name: prep\n{}stages:\n{}",
+            tables(""),
+            reviews_tokenized(80, id_sql, "doc_id")
+        ),
+    );
+    s.run_ok(&["prep.yaml"]);
+    // ...which a train stage in another file reads without being told; the predict stage
+    // keys its rows by the same strings.
+    let fit = format!(
+        "name: fit\n{tables}stages:\n{train}  - predict:\n      from: reviews\n      \
+         model: run/model\n      id: doc_id\n      to: preds\n",
+        tables = tables("  preds: { delta: lake/preds }\n"),
+        train = short_train("train", "tokenized", "run"),
+    );
+    s.write("fit.yaml", &fit);
+    let reports = s.run_ok(&["fit.yaml"]);
+    assert_eq!(
+        report(&reports, "train")["metrics"]["steps"],
+        4.0,
+        "{reports:?}"
+    );
+    let ids: Vec<String> = read_table(&s, "lake/preds")["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| r["doc_id"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(ids.len(), 80, "{ids:?}");
+    assert!(ids.iter().all(|i| i.starts_with("review-")), "{ids:?}");
+    // In one file, the tokenize stage that writes the table names the id column.
+    s.write(
+        "both.yaml",
+        &format!(
+            "name: both\n{}stages:\n{}{}",
+            tables(""),
+            reviews_tokenized(80, id_sql, "doc_id"),
+            short_train("train", "tokenized", "run2")
+        ),
+    );
+    let out = s.pipeline(&["validate", "both.yaml"]);
+    assert!(out.status.success(), "{}", s.stderr(&out));
+    // Anything else is refused when the file loads, naming `id:`.
+    s.write(
+        "wrong.yaml",
+        &format!(
+            "name: wrong\n{}stages:\n{}",
+            tables(""),
+            short_train("train", "reviews", "run3")
+        ),
+    );
+    let out = s.pipeline(&["validate", "wrong.yaml"]);
+    let err = s.stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("column `id` not found") && err.contains("`id:` names the id column"),
+        "{err}"
+    );
+}

@@ -1,7 +1,8 @@
 """Read a Delta table with delta-rs's Python package (an independent reader) and print it.
 
 usage: read_delta.py TABLE_DIR [VERSION]
-prints JSON: version, schema (name -> type), rows (sorted by the first column), history.
+prints JSON: version, schema (name -> type), rows (sorted by the first column), stored_order
+(the first column as stored: files in the log's order, rows in file order), history.
 """
 import json
 import os
@@ -16,6 +17,7 @@ def main() -> None:
     table = deltalake.DeltaTable(path, version=version)
     data = table.to_pyarrow_table()
     first = data.column_names[0]
+    stored_order = data.column(first).to_pylist()
     rows = sorted(data.to_pylist(), key=lambda r: r[first])
     for row in rows:
         for key, value in row.items():
@@ -27,6 +29,7 @@ def main() -> None:
         "num_rows": data.num_rows,
         "files": len(table.file_uris()),
         "rows": rows,
+        "stored_order": stored_order,
         "history": [
             {"version": h.get("version"), "operation": h.get("operation"), "lakeml": h.get("lakeml")}
             for h in table.history()
