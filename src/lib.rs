@@ -3,7 +3,7 @@
 //! A pipeline file names tables (Delta, Parquet, CSV, JSON lines) and stages; each stage reads
 //! SQL over those tables and writes a Delta table in one commit; `pipeline serve` exposes the
 //! tables and models over Arrow Flight SQL. See the README for the file format and the
-//! server.
+//! server, and ARCHITECTURE.md for the data flow, the layers and the scaling model.
 //!
 //! ```no_run
 //! # async fn demo() -> lakeml::Result<()> {

@@ -1,5 +1,5 @@
 //! Batch inference: a trained model over a table's text, written as a predictions table
-//! (design.md) in one Delta commit per run.
+//! (ARCHITECTURE.md) in one Delta commit per run.
 //!
 //! Rows are read and tokenized in windows of `batch_rows`, sorted by length inside each
 //! window and cut into forward passes of at most `batch_tokens` padded tokens, so padding

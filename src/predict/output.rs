@@ -1,4 +1,4 @@
-//! The predictions table (design.md): `id`, `label`, `label_id`, `score`, `probabilities`,
+//! The predictions table (ARCHITECTURE.md): `id`, `label`, `label_id`, `score`, `probabilities`,
 //! optionally `logits`, `model_version`, `run_id`, `predicted_at`, then the `keep` columns.
 
 use std::sync::Arc;
