@@ -76,6 +76,12 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
             column("label"),
             column(&stage.split),
         ])
+        .map_err(engine)?
+        .sort(vec![
+            column(data::ID).sort(true, true),
+            column("label").sort(true, true),
+            column("input_ids").sort(true, true),
+        ])
         .map_err(engine)?;
 
     let inputs = fingerprint::plan_inputs(df.logical_plan(), &run.identities)?;
