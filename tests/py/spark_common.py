@@ -1,5 +1,5 @@
-"""What the lakeml_spark test scripts share: a local Spark session with the package's data
-source, and printing the result as the last stdout line before a hard exit.
+"""What the Spark test scripts share: a local Spark session (with lakeml_spark's data source,
+or Spark alone), and printing the result as the last stdout line before a hard exit.
 
 The package comes from the checkout (tests/it/spark.rs puts python/src on PYTHONPATH, which
 the local Spark's Python workers inherit), so the tests always run the working tree's code.
@@ -12,13 +12,13 @@ import sys
 import time
 
 
-def session(name: str, master: str = "local[2]"):
+def session(name: str, master: str = "local[2]", lakeml: bool = True):
+    """A local Spark session; with `lakeml`, format("lakeml") registered (the package from the
+    checkout). Without it, Spark alone: an engine independent of lakeml's code."""
     # the Python workers must be this interpreter (pyarrow, deltalake), not whatever is on PATH
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
-
-    import lakeml_spark
 
     started = time.monotonic()
     spark = (
@@ -31,7 +31,10 @@ def session(name: str, master: str = "local[2]"):
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
-    lakeml_spark.register(spark)
+    if lakeml:
+        import lakeml_spark
+
+        lakeml_spark.register(spark)
     print(f"{name}: Spark started in {time.monotonic() - started:.1f} s", file=sys.stderr)
     return spark
 

@@ -12,11 +12,10 @@ scripts/env.sh's ensure_java sets them. Prints one JSON object: rows ([[id, labe
 ...] by id), partitions, probabilities_lengths (the distinct lengths seen).
 """
 import json
-import os
 import sys
-import time
 
 import deltalake
+from spark_common import finish, session
 
 SPARK_SCHEMA = (
     "id long, text string, label string, label_id long, score float, "
@@ -83,24 +82,7 @@ def main() -> None:
     if not files:
         sys.exit(f"spark_map_in_arrow.py: {delta_dir} has no active files")
 
-    # the Python workers must be this interpreter (pyarrow.flight), not whatever is on PATH
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
-    started = time.monotonic()
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("lakeml-spark-map-in-arrow")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    print(f"spark_map_in_arrow.py: Spark started in {time.monotonic() - started:.1f} s",
-          file=sys.stderr)
+    spark = session("spark_map_in_arrow.py", lakeml=False)
 
     df = spark.read.parquet(*files).select("id", "text").repartition(2)
     predicted = df.mapInArrow(predict_partitions(uri, token), SPARK_SCHEMA)
@@ -110,11 +92,7 @@ def main() -> None:
         "partitions": df.rdd.getNumPartitions(),
         "probabilities_lengths": sorted({len(r["probabilities"] or []) for r in rows}),
     }
-    print(json.dumps(result))
-    sys.stdout.flush()
-    spark.stop()
-    # the py4j gateway / JVM can linger at interpreter shutdown; the output is complete here
-    os._exit(0)
+    finish(spark, result)
 
 
 if __name__ == "__main__":

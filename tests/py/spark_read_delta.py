@@ -11,31 +11,15 @@ would also read files the log has removed: the active files come from the Delta 
 (delta-rs's DeltaTable.file_uris()) and Spark reads exactly those. Needs JAVA_HOME (Java 17)
 and SPARK_LOCAL_IP, as scripts/env.sh's ensure_java sets them.
 """
-import json
-import math
 import os
 import sys
-import time
 
 import deltalake
+from spark_common import finish, json_safe, session
 
 # Table features that make a data file's Parquet differ from the table's rows; reading the
 # files directly would be wrong, so refuse rather than print a plausible answer.
 UNSUPPORTED_READER_FEATURES = {"deletionVectors", "columnMapping"}
-
-
-def json_safe(value):
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
-    return str(value)
 
 
 def count_parquet_files(root: str) -> int:
@@ -58,21 +42,7 @@ def main() -> None:
     files = table.file_uris()
     partitioned = bool(table.metadata().partition_columns)
 
-    from pyspark.sql import SparkSession, functions as F
-
-    started = time.monotonic()
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("lakeml-spark-read-delta")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    print(f"spark_read_delta.py: Spark started in {time.monotonic() - started:.1f} s",
-          file=sys.stderr)
+    spark = session("spark_read_delta.py", lakeml=False)
 
     if files:
         reader = spark.read
@@ -100,11 +70,7 @@ def main() -> None:
     result["sample"] = [
         json_safe(r.asDict(recursive=True)) for r in df.orderBy(id_column).limit(3).collect()
     ]
-    print(json.dumps(result))
-    sys.stdout.flush()
-    spark.stop()
-    # the py4j gateway / JVM can linger at interpreter shutdown; the output is complete here
-    os._exit(0)
+    finish(spark, result)
 
 
 if __name__ == "__main__":
