@@ -1,5 +1,6 @@
-//! Gives the `pipeline` binary an rpath to libtorch, so it runs without LD_LIBRARY_PATH, and
-//! records which libtorch it was built against (`pipeline info`).
+//! Gives the `pipeline` binary an rpath to libtorch, so it runs without LD_LIBRARY_PATH,
+//! exports its answer to MKL's CPU check (src/gemm.rs), and records which libtorch it was
+//! built against (`pipeline info`).
 //!
 //! torch-sys (a direct dependency for this reason; it declares `links = "tch"`) exports the
 //! libtorch library directory it linked against as DEP_TCH_LIBTORCH_LIB. `$ORIGIN`-relative
@@ -10,6 +11,9 @@ fn main() {
     if !dir.is_empty() {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
     }
+    // src/gemm.rs: MKL's CPU-vendor check answered by the program (main.rs, and the unit
+    // tests), which must be in the dynamic symbol table to take precedence over libtorch's.
+    println!("cargo:rustc-link-arg=-Wl,--export-dynamic-symbol=mkl_serv_intel_cpu_true");
     println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/torch/lib");
     println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../torch/lib");
     // A PyPI torch keeps its version next to lib/: `__version__ = '2.11.0+cu130'`.

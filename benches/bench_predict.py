@@ -4,7 +4,7 @@ Run with `scripts/bench.sh predict` (builds lakeml, installs the peers, then cal
 `--precision fp32|bf16|both` (default both), `--repeats N` (default 3, medians), `--rows N`
 (a fixed sample of N reviews, for quick runs; default all 12,808), `--model DIR` (a trained
 classifier directory; default a MiniLM-L6 classifier with a seeded head, made here),
-`--side all|lakeml|pipeline|trainer`, `--threads N`, `--out FILE` (a JSON summary).
+`--side all|lakeml|lakeml_generic|pipeline|trainer`, `--threads N`, `--out FILE` (a JSON summary).
 
 What is measured: classifying every review of a Delta table with one classifier directory
 (all-MiniLM-L6-v2 plus a 2-way head: rotten / fresh), table in, table out: each side reads
@@ -53,21 +53,26 @@ from measure import SideFailed, run_measured, stage_reports, tail, work_dir
 BATCH_SIZE = 64
 LABELS = "rotten,fresh"
 RESULT = "BENCH_RESULT "  # prefix of an HF child's result line (transformers logs too)
-SIDES = {"lakeml": "lakeml", "pipeline": "HF pipeline", "trainer": "HF Trainer.predict"}
+SIDES = {"lakeml": "lakeml", "lakeml_generic": "lakeml, MKL generic", "pipeline": "HF pipeline",
+         "trainer": "HF Trainer.predict"}
+# lakeml_generic: lakeml with its answer to MKL's CPU check switched off (LAKEML_MKL_OVERRIDE=0),
+# so its fp32 products take MKL's generic path on a non-Intel CPU, as the HF sides' do.
+LAKEML_SIDES = {"lakeml": {}, "lakeml_generic": {"LAKEML_MKL_OVERRIDE": "0"}}
 
 
 # --- lakeml side -----------------------------------------------------------------------------
 
-def lakeml_side(bin_: str, yaml: str, precision: str, env: dict) -> dict:
+def lakeml_side(side: str, bin_: str, yaml: str, precision: str, env: dict) -> dict:
     """One timed lakeml run: the predict stage of benches/pipelines/predict.yaml."""
-    r = run_measured([bin_, "run", "--json", "--quiet", "--force", yaml], dict(env, LAKEML_PRECISION=precision))
+    r = run_measured([bin_, "run", "--json", "--quiet", "--force", yaml],
+                     dict(env, LAKEML_PRECISION=precision, LAKEML_BENCH_SIDE=side, **LAKEML_SIDES[side]))
     if r["rc"] != 0:
         raise SideFailed(f"lakeml ({precision}): `pipeline run {yaml}` exited {r['rc']}:\n{tail(r['stderr'])}")
     reports = [x for x in stage_reports(r["stdout"]) if x.get("kind") == "predict"]
     if not reports:
         raise SideFailed(f"lakeml ({precision}): no predict stage report in its output:\n{tail(r['stdout'])}")
     rep = reports[-1]
-    return {"side": "lakeml", "precision": precision, "rows": rep["rows_out"], "tokens": rep.get("tokens"),
+    return {"side": side, "precision": precision, "rows": rep["rows_out"], "tokens": rep.get("tokens"),
             "stage_s": rep["seconds"], "predict_s": None, "rss_mib": r["rss_mib"], "wall_s": r["wall"],
             "report": rep}
 
@@ -215,6 +220,11 @@ def summarize(runs: list[dict], sides: list[str], precisions: list[str], agree: 
             parts = [f"lakeml / {SIDES[s]} {c[f'lakeml/{s}']:.2f}x" for s in hf]
             print("rows/s (wall): " + "; ".join(parts)
                   + f"; lakeml / faster HF side ({SIDES[best]}) {c['lakeml/faster_hf']:.2f}x")
+        generic = med.get(f"lakeml_generic/{p}")
+        if lk and generic:
+            compare.setdefault(p, {})["lakeml/lakeml_generic"] = lk["rows_per_s"] / generic["rows_per_s"]
+            print(f"MKL override: lakeml / lakeml with MKL's generic path "
+                  f"{lk['rows_per_s'] / generic['rows_per_s']:.2f}x")
         pads = [r["pad_ratio"] for r in runs if r["precision"] == p and "pad_ratio" in r]
         if pads:
             print(f"HF sides batch {BATCH_SIZE} rows in table order: {pads[0]:.1%} of their token slots are "
@@ -245,7 +255,7 @@ def main() -> None:
     if args.child:
         kind, source, model, precision, threads, dest = args.child
         return hf_child(kind, source, model, precision, int(threads), dest)
-    if not args.bin and args.side in ("all", "lakeml"):
+    if not args.bin and (args.side == "all" or args.side in LAKEML_SIDES):
         sys.exit("give the pipeline binary with --bin or LAKEML_BIN (scripts/bench.sh predict does)")
     if args.repeats < 1 or (args.rows is not None and args.rows < 1):
         sys.exit("--repeats and --rows must be at least 1")
@@ -288,7 +298,7 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
     rows = deltalake.DeltaTable(source).to_pyarrow_table(columns=["id"]).num_rows
     print(f"input: {rows:,} rows in {source}; model {model}", flush=True)
     yaml = str(root / "benches/pipelines/predict.yaml")
-    if "lakeml" in sides:
+    if any(s in LAKEML_SIDES for s in sides):
         check = run_measured([args.bin, "validate", yaml], env)
         if check["rc"] != 0:
             sys.exit(f"lakeml side: `{args.bin} validate {yaml}` failed:\n{tail(check['stderr'] + check['stdout'])}\n"
@@ -302,8 +312,8 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
         for i in range(args.repeats):
             for p in precisions:
                 for s in (sides if i % 2 == 0 else sides[::-1]):
-                    if s == "lakeml":
-                        r = lakeml_side(args.bin, yaml, p, env)
+                    if s in LAKEML_SIDES:
+                        r = lakeml_side(s, args.bin, yaml, p, env)
                     else:
                         shutil.rmtree(dest(s, p), ignore_errors=True)
                         r = hf_side(s, source, model, p, args.threads, dest(s, p), env)

@@ -20,6 +20,7 @@ mod config;
 mod delta;
 mod error;
 mod fingerprint;
+mod gemm;
 mod model;
 mod plan;
 mod predict;
@@ -33,6 +34,7 @@ mod track;
 mod train;
 
 pub use error::{Error, Result};
+pub use gemm::{GemmInfo, mkl_cpu_check, set_mkl_override};
 pub use plan::Pipeline;
 pub use report::StageReport;
 pub use runtime::RuntimeInfo;

@@ -16,6 +16,19 @@ use lakeml::{Pipeline, RunOptions, RuntimeInfo, ServeOptions, hash_password};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Let MKL take its generic fp32 path on non-Intel CPUs, as it does outside lakeml
+    /// (also LAKEML_MKL_OVERRIDE=0). By default lakeml answers MKL's CPU-vendor check so
+    /// that fp32 products use the CPU's AVX2/AVX-512 kernels; see `pipeline info`.
+    #[arg(long, global = true)]
+    no_mkl_override: bool,
+}
+
+/// MKL (inside libtorch) asks this whether the CPU is Intel's before it picks its fp32
+/// kernels. build.rs exports it from the binary, so the dynamic linker binds MKL's call here
+/// instead of to MKL's own copy; the answer is `lakeml::gemm`'s.
+#[unsafe(no_mangle)]
+pub extern "C" fn mkl_serv_intel_cpu_true() -> std::ffi::c_int {
+    lakeml::mkl_cpu_check()
 }
 
 #[derive(Subcommand)]
@@ -88,6 +101,9 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> lakeml::Result<()> {
+    if cli.no_mkl_override {
+        lakeml::set_mkl_override(false);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

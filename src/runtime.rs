@@ -1,5 +1,7 @@
 //! What the linked libtorch offers on this machine (`pipeline info`).
 
+use crate::gemm::GemmInfo;
+
 /// Facts about the linked libtorch and this machine.
 #[derive(Debug, serde::Serialize)]
 pub struct RuntimeInfo {
@@ -12,10 +14,13 @@ pub struct RuntimeInfo {
     pub cuda_available: bool,
     pub cuda_devices: i64,
     pub cpu_cores: usize,
+    /// The fp32 GEMM path and both precisions' measured GEMM speed.
+    pub gemm: GemmInfo,
 }
 
 impl RuntimeInfo {
-    /// Asks libtorch (this is also what proves the binary links and loads it).
+    /// Asks libtorch (this is also what proves the binary links and loads it), and measures
+    /// its GEMMs for about 1.5 s.
     pub fn detect() -> Self {
         Self {
             lakeml_version: env!("CARGO_PKG_VERSION"),
@@ -25,6 +30,7 @@ impl RuntimeInfo {
             cuda_available: tch::Cuda::is_available(),
             cuda_devices: tch::Cuda::device_count(),
             cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            gemm: GemmInfo::measure(),
         }
     }
 }
@@ -41,6 +47,12 @@ impl std::fmt::Display for RuntimeInfo {
             f,
             "cpu cores: {}, torch intra-op threads: {}",
             self.cpu_cores, self.torch_threads
+        )?;
+        writeln!(f, "fp32 GEMM: {}", self.gemm.fp32_path)?;
+        writeln!(
+            f,
+            "GEMM speed (4096x384 . 384x1536, {} threads): fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s",
+            self.torch_threads, self.gemm.fp32_gflops, self.gemm.bf16_gflops
         )?;
         if self.cuda_available {
             write!(f, "cuda: {} device(s)", self.cuda_devices)
