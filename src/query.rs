@@ -1,5 +1,7 @@
-//! Ad-hoc SQL over a pipeline's tables (`pipeline sql`), and the summary a run ends with:
-//! where the model and tables are, and how to query them.
+//! What a loaded pipeline answers besides running and serving: validation of the whole file
+//! (`pipeline validate`: the stages, and the `serve:` section), ad-hoc SQL over its tables
+//! (`pipeline sql`), and the summary a run ends with: where the model and tables are, and how
+//! to query them.
 
 use std::fmt::Write;
 
@@ -11,6 +13,19 @@ use crate::plan::Pipeline;
 use crate::report::StageReport;
 
 impl Pipeline {
+    /// Checks every stage's query, columns and types against the tables as they are, and
+    /// against what earlier stages will write, without running anything.
+    /// A `serve:` section is checked too (models, users, TLS files), without loading a model.
+    pub async fn validate(&self) -> Result<()> {
+        let ctx = catalog::session();
+        self.register_tables(&ctx).await?;
+        self.check_stages(&ctx).await?;
+        if self.serve.is_some() {
+            crate::serve::check(self)?;
+        }
+        Ok(())
+    }
+
     /// Runs `sql` over the pipeline's tables as they are now (Delta tables at their latest
     /// version) and returns the result.
     pub async fn sql(&self, sql: &str) -> Result<Vec<RecordBatch>> {

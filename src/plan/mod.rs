@@ -19,9 +19,9 @@ use crate::error::{Error, Result};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
 pub(crate) use checks::is_string;
 use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
-pub(crate) use predict::{Inference, inference_settings, model_labels};
+pub(crate) use predict::{Inference, PredictStage, inference_settings, model_labels};
 use tables::table_def;
-pub(crate) use train::id_column as train_id_column;
+pub(crate) use train::{TrainStage, id_column as train_id_column};
 
 /// A validated pipeline, ready to run.
 #[derive(Debug)]
@@ -40,8 +40,8 @@ pub struct Pipeline {
 pub(crate) enum Stage {
     Write(WriteStage),
     Tokenize(TokenizeStage),
-    Train(Box<crate::train::TrainStage>),
-    Predict(Box<crate::predict::PredictStage>),
+    Train(Box<TrainStage>),
+    Predict(Box<PredictStage>),
 }
 
 /// SQL a stage reads, and where it came from (for error messages).
@@ -277,19 +277,6 @@ impl Pipeline {
         &self.name
     }
 
-    /// Checks every stage's query, columns and types against the tables as they are, and
-    /// against what earlier stages will write, without running anything.
-    /// A `serve:` section is checked too (models, users, TLS files), without loading a model.
-    pub async fn validate(&self) -> Result<()> {
-        let ctx = catalog::session();
-        self.register_tables(&ctx).await?;
-        self.check_stages(&ctx).await?;
-        if self.serve.is_some() {
-            crate::serve::check(self)?;
-        }
-        Ok(())
-    }
-
     /// Registers every table that exists in `ctx`; returns what each one reads now (for
     /// fingerprints). Tables that a stage will create are left out.
     pub(crate) async fn register_tables(
@@ -384,11 +371,7 @@ impl Pipeline {
 
 impl Pipeline {
     /// An incremental predict stage appends to its table: the columns must match.
-    async fn check_predict_target(
-        &self,
-        p: &crate::predict::PredictStage,
-        schema: &Schema,
-    ) -> Result<(), String> {
+    async fn check_predict_target(&self, p: &PredictStage, schema: &Schema) -> Result<(), String> {
         let def = &self.tables[&p.to];
         if p.mode == PredictMode::Overwrite || !catalog::delta_exists(&def.path) {
             return Ok(());

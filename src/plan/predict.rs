@@ -1,13 +1,13 @@
 //! Planning a `predict` stage: the model directory (or the train stage that will write it),
 //! its labels, the device and the batching settings, checked before any work.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::train::device;
 use super::{Stage, query, resolve};
-use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictSpec, Truncation};
+use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec, Truncation};
 use crate::model::ModelConfig;
-use crate::predict::{PredictSettings, PredictStage};
+use crate::predict::PredictSettings;
 use crate::tokenize::RowPolicy;
 
 /// Most tokens per row when neither the pipeline nor the model says fewer.
@@ -17,6 +17,25 @@ const DEFAULT_MAX_LENGTH: usize = 512;
 /// a GPU wants many rows at once.
 const CPU_BATCH_TOKENS: usize = 4096;
 const CUDA_BATCH_TOKENS: usize = 65536;
+
+/// A validated `predict` stage.
+#[derive(Debug)]
+pub(crate) struct PredictStage {
+    pub name: String,
+    pub field: String,
+    pub query: super::Query,
+    pub to: String,
+    pub model: PathBuf,
+    /// Columns and row policies, as for tokenize (no label).
+    pub policy: RowPolicy,
+    pub mode: PredictMode,
+    /// Key of the job in the table's Delta app transactions.
+    pub job: Option<String>,
+    /// Class names the model must have.
+    pub labels: Option<Vec<String>>,
+    pub device: tch::Device,
+    pub settings: PredictSettings,
+}
 
 /// Checks that the model in `dir` is a trained classifier whose labels match `expected`.
 pub(crate) fn model_labels(

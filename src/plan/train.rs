@@ -2,7 +2,7 @@
 //! device checked, before any work.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use arrow::datatypes::{DataType, Schema};
 
@@ -12,7 +12,30 @@ use crate::catalog::TableDef;
 use crate::config::{Every as EverySpec, Precision, TrainSpec};
 use crate::delta;
 use crate::model::ModelConfig;
-use crate::train::{EarlyStopping, Every, METRIC_NAMES, TrainSettings, TrainStage};
+use crate::train::{EarlyStopping, Every, METRIC_NAMES, TrainSettings};
+
+/// A validated `train` stage.
+#[derive(Debug)]
+pub(crate) struct TrainStage {
+    pub name: String,
+    pub field: String,
+    pub query: super::Query,
+    pub model: PathBuf,
+    /// The model's `config.json`, read once when the pipeline file is.
+    pub config: ModelConfig,
+    pub output: PathBuf,
+    /// The id column as given (`id:`) or as the tokenize stage of this file that writes the
+    /// table writes it; `None`: as the table's tokenize commit recorded it, else `id`
+    /// (`plan::train::id_column`).
+    pub id: Option<String>,
+    /// The table of `from:`, where a recorded id column is looked up.
+    pub from: Option<String>,
+    pub split: String,
+    pub labels: Option<Vec<String>>,
+    pub device: tch::Device,
+    pub mlflow: Option<crate::config::MlflowSpec>,
+    pub settings: TrainSettings,
+}
 
 fn every(field: &str, key: &str, e: &EverySpec) -> Result<Every, String> {
     match e {

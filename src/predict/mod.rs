@@ -10,34 +10,12 @@
 mod engine;
 mod output;
 
-use std::path::PathBuf;
-
 use serde::Serialize;
 
 pub(crate) use engine::Engine;
 pub(crate) use output::{Meta, float_list, output_schema, predictions_batch, softmax};
 
-use crate::config::{Precision, PredictMode};
-use crate::tokenize::RowPolicy;
-
-/// A validated `predict` stage.
-#[derive(Debug)]
-pub(crate) struct PredictStage {
-    pub name: String,
-    pub field: String,
-    pub query: crate::plan::Query,
-    pub to: String,
-    pub model: PathBuf,
-    /// Columns and row policies, as for tokenize (no label).
-    pub policy: RowPolicy,
-    pub mode: PredictMode,
-    /// Key of the job in the table's Delta app transactions.
-    pub job: Option<String>,
-    /// Class names the model must have.
-    pub labels: Option<Vec<String>>,
-    pub device: tch::Device,
-    pub settings: PredictSettings,
-}
+use crate::config::Precision;
 
 /// Every setting that changes the output or its speed.
 #[derive(Debug, Clone, Serialize)]

@@ -2,6 +2,7 @@
 
 mod predict;
 mod tokenize;
+mod train;
 mod write;
 
 use std::collections::{BTreeSet, HashMap};
@@ -203,7 +204,7 @@ impl Pipeline {
             let mut report = match stage {
                 Stage::Write(w) => write::run(&run, w).await?,
                 Stage::Tokenize(t) => tokenize::run(&run, t).await?,
-                Stage::Train(t) => crate::train::run(&run, t).await?,
+                Stage::Train(t) => train::run(&run, t).await?,
                 Stage::Predict(p) => predict::run(&run, p).await?,
             };
             report.seconds = started.elapsed().as_secs_f64();

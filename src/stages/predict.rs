@@ -24,8 +24,9 @@ use crate::delta;
 use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::model::{ModelConfig, weight_files};
+use crate::plan::PredictStage;
 use crate::plan::model_labels;
-use crate::predict::{Engine, Meta, PredictStage, output_schema, predictions_batch};
+use crate::predict::{Engine, Meta, output_schema, predictions_batch};
 use crate::report::StageReport;
 use crate::tokenize::{self, Counters, Encoder, EncoderSettings};
 

@@ -1,5 +1,7 @@
-//! The `train` stage: fine-tunes a model on a tokenized table and writes the result as an HF
-//! model directory, with metrics, TensorBoard events, checkpoints and (optionally) MLflow.
+//! The training engine: fine-tunes a model on an in-memory dataset and writes the result as
+//! an HF model directory, with metrics, TensorBoard events, checkpoints and (optionally)
+//! MLflow. The `train` stage around it (reading the table, skipping an unchanged run) is
+//! `stages::train`; its validated settings are `plan::TrainStage`.
 //!
 //! The run directory (`output:`) holds `model/` (the result), `checkpoints/`,
 //! `metrics.jsonl`, `tensorboard/` and `run.json` (the fingerprint and final metrics; a rerun
@@ -11,39 +13,14 @@ mod data;
 mod loader;
 mod metrics;
 mod optim;
-mod run;
 mod trainer;
-
-use std::path::PathBuf;
 
 use serde::Serialize;
 
-pub(crate) use run::run;
+pub(crate) use data::{ID, Limits, dataset};
+pub(crate) use trainer::{Job, train};
 
-use crate::config::{MlflowSpec, Precision, SaveWhich, Schedule};
-
-/// A validated `train` stage.
-#[derive(Debug)]
-pub(crate) struct TrainStage {
-    pub name: String,
-    pub field: String,
-    pub query: crate::plan::Query,
-    pub model: PathBuf,
-    /// The model's `config.json`, read once when the pipeline file is.
-    pub config: crate::model::ModelConfig,
-    pub output: PathBuf,
-    /// The id column as given (`id:`) or as the tokenize stage of this file that writes the
-    /// table writes it; `None`: as the table's tokenize commit recorded it, else `id`
-    /// (`plan::train::id_column`).
-    pub id: Option<String>,
-    /// The table of `from:`, where a recorded id column is looked up.
-    pub from: Option<String>,
-    pub split: String,
-    pub labels: Option<Vec<String>>,
-    pub device: tch::Device,
-    pub mlflow: Option<MlflowSpec>,
-    pub settings: TrainSettings,
-}
+use crate::config::{Precision, SaveWhich, Schedule};
 
 /// Every setting that changes the result (all go into the fingerprint and MLflow params).
 #[derive(Debug, Clone, Serialize)]

@@ -13,7 +13,7 @@ use super::data::{Dataset, Split};
 use super::loader::{self, Order, Prefetch};
 use super::metrics::{self, Metrics};
 use super::optim::{self, AdamW, AdamWConfig};
-use super::{Every, TrainSettings, TrainStage};
+use super::{Every, TrainSettings};
 use crate::config::{Precision, SaveWhich};
 use crate::error::{Error, Result};
 use crate::model::{Model, ModelConfig};
@@ -39,31 +39,6 @@ pub(crate) struct Job {
     pub data: Dataset,
     pub fingerprint: String,
     pub progress: bool,
-}
-
-impl Job {
-    pub(crate) fn new(
-        stage: &TrainStage,
-        data: Dataset,
-        fingerprint: String,
-        progress: bool,
-    ) -> Self {
-        Self {
-            model_dir: stage.model.clone(),
-            config: stage.config.clone(),
-            output: stage.output.clone(),
-            device: stage.device,
-            mlflow: stage.mlflow.as_ref().map(|m| MlflowSettings {
-                uri: m.uri.clone(),
-                experiment: m.experiment.clone(),
-                run_name: m.run_name.clone(),
-            }),
-            settings: stage.settings.clone(),
-            data,
-            fingerprint,
-            progress,
-        }
-    }
 }
 
 /// The seed of micro-batch `n`: dropout masks depend only on (seed, n), so a resumed run

@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod layers;
 mod mlflow;
 #[path = "../support/mlflow_server.rs"]
 mod mlflow_server;

@@ -7,14 +7,14 @@ use datafusion::common::Column;
 use datafusion::prelude::Expr;
 use serde_json::{Value, json};
 
-use super::TrainStage;
-use super::data::{self, Limits};
-use super::trainer::{self, Job};
+use super::Run;
 use crate::delta;
 use crate::error::{Error, Result};
 use crate::fingerprint;
+use crate::plan::TrainStage;
 use crate::report::StageReport;
-use crate::stages::Run;
+use crate::track::MlflowSettings;
+use crate::train::{self, ID, Job, Limits};
 
 /// Size and modification time of each file of the model directory that shapes the model.
 fn model_identity(dir: &Path) -> Value {
@@ -58,7 +58,7 @@ async fn recorded_labels(run: &Run<'_>, tables: &[String]) -> Result<Option<Vec<
     Ok(None)
 }
 
-pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport> {
+pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport> {
     let context = || format!("stage `{}` ({})", stage.name, stage.query.origin);
     let engine = |e| Error::engine(context(), e);
     let id = crate::plan::train_id_column(stage, &run.pipeline.tables).await?;
@@ -71,14 +71,14 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         .await
         .map_err(engine)?
         .select(vec![
-            column(&id).alias(data::ID),
+            column(&id).alias(ID),
             column("input_ids"),
             column("label"),
             column(&stage.split),
         ])
         .map_err(engine)?
         .sort(vec![
-            column(data::ID).sort(true, true),
+            column(ID).sort(true, true),
             column("label").sort(true, true),
             column("input_ids").sort(true, true),
         ])
@@ -132,7 +132,7 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     }
 
     let batches = df.collect().await.map_err(engine)?;
-    let dataset = data::dataset(
+    let dataset = train::dataset(
         &batches,
         &stage.split,
         names,
@@ -143,9 +143,23 @@ pub(crate) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     )?;
     report.rows_in = dataset.train.len() as u64;
     report.tokens = dataset.train.tokens() as u64;
-    let job = Job::new(stage, dataset, fingerprint.clone(), run.options.progress);
+    let job = Job {
+        model_dir: stage.model.clone(),
+        config: stage.config.clone(),
+        output: stage.output.clone(),
+        device: stage.device,
+        mlflow: stage.mlflow.as_ref().map(|m| MlflowSettings {
+            uri: m.uri.clone(),
+            experiment: m.experiment.clone(),
+            run_name: m.run_name.clone(),
+        }),
+        settings: stage.settings.clone(),
+        data: dataset,
+        fingerprint: fingerprint.clone(),
+        progress: run.options.progress,
+    };
 
-    let outcome = crate::model::thread::spawn("train", OOM_HINT, move || trainer::train(job))?
+    let outcome = crate::model::thread::spawn("train", OOM_HINT, move || train::train(job))?
         .await
         .map_err(|_| Error::Internal("the training thread vanished".into()))?
         .map_err(|e| {
