@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 
 use super::checkpoint::{self, LoopState};
 use super::data::{Dataset, Split};
-use super::loader::{self, Order, Prefetch};
+use super::loader::{self, Batch, Order, Prefetch};
 use super::metrics::{self, Metrics};
 use super::optim::{self, AdamW, AdamWConfig};
 use super::{Every, TrainSettings};
@@ -201,19 +201,24 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         tracker.params(&params)?;
     }
 
-    let result = train_loop(
-        &job,
-        &mut model,
-        &mut opt,
-        &mut tracker,
-        &mut state,
-        &train,
-        order,
-        classes,
-        pad_id,
-        total_steps,
-        warmup,
-    );
+    let result = Loop {
+        job: &job,
+        model: &mut model,
+        opt: &mut opt,
+        tracker: &mut tracker,
+        state: &mut state,
+        plan: Plan {
+            order,
+            classes,
+            pad_id,
+            total_steps,
+            warmup,
+        },
+        bar: bar(job.progress, total_steps),
+        window: Window::new(job.device),
+        stopped: false,
+    }
+    .run(&train);
     let stopped_early = match result {
         Ok(stopped) => stopped,
         Err(e) => {
@@ -261,191 +266,312 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn train_loop(
-    job: &Job,
-    model: &mut Model,
-    opt: &mut AdamW,
-    tracker: &mut Tracker,
-    state: &mut LoopState,
-    train: &Arc<Split>,
+/// What stays fixed for the whole loop.
+struct Plan {
     order: Order,
     classes: usize,
     pad_id: i64,
     total_steps: u64,
     warmup: u64,
-) -> Result<bool> {
-    let s = &job.settings;
-    let device = job.device;
-    let bar = bar(job.progress, total_steps);
-    bar.set_position(state.global_step);
-    // Since the last log line: start, rows, micro-batches, and the loss summed on the
-    // device (reading it every micro-batch would stall a GPU once per batch).
-    let mut window = (Instant::now(), 0u64, 0u64);
-    let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
-    let mut stopped = false;
-    'epochs: while state.global_step < total_steps {
-        let epoch = state.epoch;
-        let batches = loader::epoch_batches(train, &order, epoch);
+}
+
+/// The training loop: epochs of micro-batches, an optimizer step every `grad_accum` of them,
+/// and around the steps the logging, evaluation (best weights, early stopping) and
+/// checkpoints. Everything it changes that a resume needs is in `state`.
+struct Loop<'a> {
+    job: &'a Job,
+    model: &'a mut Model,
+    opt: &'a mut AdamW,
+    tracker: &'a mut Tracker,
+    state: &'a mut LoopState,
+    plan: Plan,
+    bar: ProgressBar,
+    window: Window,
+    /// Early stopping has spoken.
+    stopped: bool,
+}
+
+impl Loop<'_> {
+    /// Trains until the last step or early stopping; returns whether it stopped early.
+    fn run(mut self, train: &Arc<Split>) -> Result<bool> {
+        self.bar.set_position(self.state.global_step);
+        while self.state.global_step < self.plan.total_steps {
+            if self.epoch(train)? {
+                break;
+            }
+        }
+        self.bar.finish_and_clear();
+        Ok(self.stopped)
+    }
+
+    /// One epoch, or what a resumed run has left of it; true when training is over (the last
+    /// step, or early stopping).
+    fn epoch(&mut self, train: &Arc<Split>) -> Result<bool> {
+        let job = self.job;
+        let s = &job.settings;
+        let epoch = self.state.epoch;
+        let batches = loader::epoch_batches(train, &self.plan.order, epoch);
         let micro_total = batches.len();
-        let skip = state.batches_done.min(micro_total);
+        let skip = self.state.batches_done.min(micro_total);
         let remaining: Vec<Vec<usize>> = batches.into_iter().skip(skip).collect();
         let mut micro = skip;
         let mut in_step = 0usize;
-        let started = Instant::now();
-        let mut acc_seconds = state.train_seconds;
-        for batch in Prefetch::start(train.clone(), remaining, pad_id, s.prefetch) {
+        let mut clock = Clock::new(self.state.train_seconds);
+        for batch in Prefetch::start(train.clone(), remaining, self.plan.pad_id, s.prefetch) {
             // Each micro-batch seeds the RNG by its global index (dropout).
             let global_micro = epoch * micro_total as u64 + micro as u64;
             tch::manual_seed(batch_seed(s.seed, global_micro));
-            let logits = model.net.forward_t(
-                &batch.input_ids.to_device(device),
-                &batch.attention_mask.to_device(device),
-                true,
-            );
-            let loss = logits.cross_entropy_for_logits(&batch.labels.to_device(device));
-            (&loss / s.grad_accum as f64).backward();
+            let loss = self.forward_backward(&batch);
             micro += 1;
             in_step += 1;
-            state.samples += batch.rows as u64;
-            state.tokens += batch.tokens as u64;
-            state.slots += batch.slots as u64;
-            window.1 += batch.rows as u64;
-            window.2 += 1;
-            let _ = loss_sum.g_add_(&loss.detach());
+            self.state.samples += batch.rows as u64;
+            self.state.tokens += batch.tokens as u64;
+            self.state.slots += batch.slots as u64;
+            self.window.add(batch.rows, &loss);
             if in_step < s.grad_accum && micro < micro_total {
                 continue;
             }
-            // One optimizer step.
             in_step = 0;
-            let lr = optim::learning_rate(s.schedule, s.lr, warmup, state.global_step, total_steps);
-            let norm = opt.grad_norm()?;
-            if !norm.is_finite() {
-                return Err(Error::Model(format!(
-                    "the gradient norm became {norm} at step {}; lower `lr`, or use fp32",
-                    state.global_step + 1
-                )));
-            }
-            let scale = if s.max_grad_norm > 0.0 && norm > s.max_grad_norm {
-                s.max_grad_norm / (norm + 1e-6)
-            } else {
-                1.0
-            };
-            opt.step(lr, scale)?;
-            opt.zero_grad();
-            state.global_step += 1;
-            state.batches_done = micro;
-            let step = state.global_step;
-            state.train_seconds = acc_seconds + started.elapsed().as_secs_f64();
-            bar.inc(1);
+            let (lr, norm) = self.optimizer_step()?;
+            self.state.batches_done = micro;
+            let step = self.state.global_step;
+            self.state.train_seconds = clock.seconds();
+            self.bar.inc(1);
 
-            if step.is_multiple_of(s.log_every) || step == total_steps {
-                let secs = window.0.elapsed().as_secs_f64().max(1e-9);
-                let avg_loss = loss_sum.double_value(&[]) / window.2.max(1) as f64;
-                let rate = window.1 as f64 / secs;
-                bar.set_message(format!("loss {avg_loss:.4} · {rate:.0} samples/s"));
-                log(
-                    tracker,
-                    step,
-                    &[
-                        ("train/loss".into(), avg_loss),
-                        ("train/lr".into(), lr),
-                        ("train/grad_norm".into(), norm),
-                        ("train/samples_per_second".into(), rate),
-                        (
-                            "train/epoch".into(),
-                            epoch as f64 + micro as f64 / micro_total as f64,
-                        ),
-                    ],
-                )?;
-                window = (Instant::now(), 0, 0);
-                let _ = loss_sum.zero_();
+            if step.is_multiple_of(s.log_every) || step == self.plan.total_steps {
+                let at = epoch as f64 + micro as f64 / micro_total as f64;
+                self.window
+                    .log(self.tracker, &self.bar, step, lr, norm, at)?;
             }
             let end_of_epoch = micro == micro_total;
             if end_of_epoch {
-                state.epoch += 1;
-                state.batches_done = 0;
+                self.state.epoch += 1;
+                self.state.batches_done = 0;
             }
-            let last = step >= total_steps;
+            let last = step >= self.plan.total_steps;
             // Evaluation (every N steps, each epoch end, and at the very end if enabled).
             let eval_now = !job.data.validation.is_empty()
                 && (due(s.eval_every, step, end_of_epoch)
                     || (last && s.eval_every != Every::Never));
+            // Evaluations and checkpoints are not training time.
             if eval_now {
-                let paused = Instant::now();
-                let m = evaluate(
-                    model,
-                    &job.data.validation,
-                    s.eval_batch_size,
-                    pad_id,
-                    classes,
-                );
-                log(tracker, step, &prefixed("eval", &m))?;
-                tracker.flush()?; // evaluations reach MLflow now, not at the next batch
-                bar.println(format!(
-                    "step {step}: eval loss {:.4} accuracy {:.4} f1_macro {:.4}",
-                    m["loss"], m["accuracy"], m["f1_macro"]
-                ));
-                let value = m[&s.best_metric];
-                let better = |new: f64, old: f64, metric: &str, delta: f64| {
-                    if metrics::higher_is_better(metric) {
-                        new > old + delta
-                    } else {
-                        new < old - delta
-                    }
-                };
-                if state
-                    .best
-                    .is_none_or(|(b, _)| better(value, b, &s.best_metric, 0.0))
-                {
-                    state.best = Some((value, step));
-                    checkpoint::save_best(
-                        &job.output,
-                        opt.weights().to_device(tch::Device::Cpu),
-                        state,
-                    )?;
+                if clock.exclude(|| self.validate(step))? {
+                    self.stopped = true;
                 }
-                if let Some(es) = &s.early_stopping {
-                    let v = m[&es.metric];
-                    if state
-                        .stop_best
-                        .is_none_or(|b| better(v, b, &es.metric, es.min_delta))
-                    {
-                        state.stop_best = Some(v);
-                        state.stale_evals = 0;
-                    } else {
-                        state.stale_evals += 1;
-                        if state.stale_evals >= es.patience {
-                            bar.println(format!(
-                                "early stopping at step {step}: eval {} has not improved for {} evaluations",
-                                es.metric, es.patience
-                            ));
-                            stopped = true;
-                        }
-                    }
-                }
-                // Evaluation time is not training time.
-                acc_seconds -= paused.elapsed().as_secs_f64();
-                state.train_seconds = acc_seconds + started.elapsed().as_secs_f64();
+                self.state.train_seconds = clock.seconds();
             }
             if due(s.checkpoint_every, step, end_of_epoch)
-                || (stopped && s.checkpoint_every != Every::Never)
+                || (self.stopped && s.checkpoint_every != Every::Never)
             {
-                let paused = Instant::now();
-                checkpoint::save(&job.output, &opt.state(), state, s.keep_checkpoints)?;
-                acc_seconds -= paused.elapsed().as_secs_f64();
-                state.train_seconds = acc_seconds + started.elapsed().as_secs_f64();
+                clock.exclude(|| {
+                    checkpoint::save(
+                        &job.output,
+                        &self.opt.state(),
+                        self.state,
+                        s.keep_checkpoints,
+                    )
+                })?;
+                self.state.train_seconds = clock.seconds();
             }
-            if stopped || last {
-                break 'epochs;
+            if self.stopped || last {
+                return Ok(true);
             }
         }
         if micro < micro_total {
             return Err(Error::Internal("the data loader stopped early".into()));
         }
+        Ok(false)
     }
-    bar.finish_and_clear();
-    Ok(stopped)
+
+    /// One micro-batch forward and backward (gradients accumulate, scaled by 1/grad_accum);
+    /// returns its loss, on the device.
+    fn forward_backward(&mut self, batch: &Batch) -> Tensor {
+        let device = self.job.device;
+        let logits = self.model.net.forward_t(
+            &batch.input_ids.to_device(device),
+            &batch.attention_mask.to_device(device),
+            true,
+        );
+        let loss = logits.cross_entropy_for_logits(&batch.labels.to_device(device));
+        (&loss / self.job.settings.grad_accum as f64).backward();
+        loss
+    }
+
+    /// The accumulated gradients, clipped, into one optimizer step; returns the step's
+    /// learning rate and the gradient norm before clipping.
+    fn optimizer_step(&mut self) -> Result<(f64, f64)> {
+        let s = &self.job.settings;
+        let (step, total) = (self.state.global_step, self.plan.total_steps);
+        let lr = optim::learning_rate(s.schedule, s.lr, self.plan.warmup, step, total);
+        let norm = self.opt.grad_norm()?;
+        if !norm.is_finite() {
+            return Err(Error::Model(format!(
+                "the gradient norm became {norm} at step {}; lower `lr`, or use fp32",
+                step + 1
+            )));
+        }
+        let scale = if s.max_grad_norm > 0.0 && norm > s.max_grad_norm {
+            s.max_grad_norm / (norm + 1e-6)
+        } else {
+            1.0
+        };
+        self.opt.step(lr, scale)?;
+        self.opt.zero_grad();
+        self.state.global_step += 1;
+        Ok((lr, norm))
+    }
+
+    /// Evaluates the validation split at `step`: logs the metrics, keeps the best weights by
+    /// `best_metric`, and returns whether early stopping says to stop.
+    fn validate(&mut self, step: u64) -> Result<bool> {
+        let job = self.job;
+        let s = &job.settings;
+        let (pad_id, classes) = (self.plan.pad_id, self.plan.classes);
+        let m = evaluate(
+            self.model,
+            &job.data.validation,
+            s.eval_batch_size,
+            pad_id,
+            classes,
+        );
+        log(self.tracker, step, &prefixed("eval", &m))?;
+        self.tracker.flush()?; // evaluations reach MLflow now, not at the next batch
+        self.bar.println(format!(
+            "step {step}: eval loss {:.4} accuracy {:.4} f1_macro {:.4}",
+            m["loss"], m["accuracy"], m["f1_macro"]
+        ));
+        let value = m[&s.best_metric];
+        if self
+            .state
+            .best
+            .is_none_or(|(b, _)| improved(value, b, &s.best_metric, 0.0))
+        {
+            self.state.best = Some((value, step));
+            checkpoint::save_best(
+                &job.output,
+                self.opt.weights().to_device(tch::Device::Cpu),
+                self.state,
+            )?;
+        }
+        let Some(es) = &s.early_stopping else {
+            return Ok(false);
+        };
+        let v = m[&es.metric];
+        if self
+            .state
+            .stop_best
+            .is_none_or(|b| improved(v, b, &es.metric, es.min_delta))
+        {
+            self.state.stop_best = Some(v);
+            self.state.stale_evals = 0;
+            return Ok(false);
+        }
+        self.state.stale_evals += 1;
+        if self.state.stale_evals < es.patience {
+            return Ok(false);
+        }
+        self.bar.println(format!(
+            "early stopping at step {step}: eval {} has not improved for {} evaluations",
+            es.metric, es.patience
+        ));
+        Ok(true)
+    }
+}
+
+/// Whether `new` beats `old` by more than `delta` in `metric`'s direction.
+fn improved(new: f64, old: f64, metric: &str, delta: f64) -> bool {
+    if metrics::higher_is_better(metric) {
+        new > old + delta
+    } else {
+        new < old - delta
+    }
+}
+
+/// Training seconds: those of earlier epochs and runs, plus this epoch's wall time less the
+/// time spent in evaluations and checkpoints.
+struct Clock {
+    before: f64,
+    started: Instant,
+}
+
+impl Clock {
+    fn new(before: f64) -> Self {
+        Self {
+            before,
+            started: Instant::now(),
+        }
+    }
+
+    fn seconds(&self) -> f64 {
+        self.before + self.started.elapsed().as_secs_f64()
+    }
+
+    /// Runs `f` without counting its time.
+    fn exclude<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let paused = Instant::now();
+        let out = f();
+        self.before -= paused.elapsed().as_secs_f64();
+        out
+    }
+}
+
+/// Since the last log line: its start, rows, micro-batches, and the loss summed on the
+/// device (reading it every micro-batch would stall a GPU once per batch).
+struct Window {
+    started: Instant,
+    rows: u64,
+    micro: u64,
+    loss_sum: Tensor,
+}
+
+impl Window {
+    fn new(device: tch::Device) -> Self {
+        Self {
+            started: Instant::now(),
+            rows: 0,
+            micro: 0,
+            loss_sum: Tensor::zeros([], (Kind::Float, device)),
+        }
+    }
+
+    fn add(&mut self, rows: usize, loss: &Tensor) {
+        self.rows += rows as u64;
+        self.micro += 1;
+        let _ = self.loss_sum.g_add_(&loss.detach());
+    }
+
+    /// The window's mean loss and speed, logged at `step` (`epoch`: epochs done, with the
+    /// fraction of this one); then a new window starts.
+    fn log(
+        &mut self,
+        tracker: &mut Tracker,
+        bar: &ProgressBar,
+        step: u64,
+        lr: f64,
+        norm: f64,
+        epoch: f64,
+    ) -> Result<()> {
+        let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+        let avg_loss = self.loss_sum.double_value(&[]) / self.micro.max(1) as f64;
+        let rate = self.rows as f64 / secs;
+        bar.set_message(format!("loss {avg_loss:.4} · {rate:.0} samples/s"));
+        log(
+            tracker,
+            step,
+            &[
+                ("train/loss".into(), avg_loss),
+                ("train/lr".into(), lr),
+                ("train/grad_norm".into(), norm),
+                ("train/samples_per_second".into(), rate),
+                ("train/epoch".into(), epoch),
+            ],
+        )?;
+        self.started = Instant::now();
+        self.rows = 0;
+        self.micro = 0;
+        let _ = self.loss_sum.zero_();
+        Ok(())
+    }
 }
 
 /// Writes the HF model directory (`config.json` with the labels, `model.safetensors`,
