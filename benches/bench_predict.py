@@ -62,8 +62,9 @@ LAKEML_SIDES = {"lakeml": {}, "lakeml_generic": {"LAKEML_MKL_OVERRIDE": "0"}}
 
 # --- lakeml side -----------------------------------------------------------------------------
 
-def lakeml_side(side: str, bin_: str, yaml: str, precision: str, env: dict) -> dict:
-    """One timed lakeml run: the predict stage of benches/pipelines/predict.yaml."""
+def lakeml_side(bin_: str, yaml: str, precision: str, env: dict, side: str = "lakeml") -> dict:
+    """One timed lakeml run: the predict stage of benches/pipelines/predict.yaml (`side`: one of
+    LAKEML_SIDES; bench_serve.py and bench_spark.py call it for the plain one)."""
     r = run_measured([bin_, "run", "--json", "--quiet", "--force", yaml],
                      dict(env, LAKEML_PRECISION=precision, LAKEML_BENCH_SIDE=side, **LAKEML_SIDES[side]))
     if r["rc"] != 0:
@@ -313,7 +314,7 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
             for p in precisions:
                 for s in (sides if i % 2 == 0 else sides[::-1]):
                     if s in LAKEML_SIDES:
-                        r = lakeml_side(s, args.bin, yaml, p, env)
+                        r = lakeml_side(args.bin, yaml, p, env, side=s)
                     else:
                         shutil.rmtree(dest(s, p), ignore_errors=True)
                         r = hf_side(s, source, model, p, args.threads, dest(s, p), env)
