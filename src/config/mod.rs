@@ -17,9 +17,8 @@ use crate::error::{Error, Result};
 pub(crate) use serve::{AuthSpec, ServeSpec, parse_duration};
 use stages::default_device;
 pub(crate) use stages::{
-    Every, MlflowSpec, OnBad, OnEmpty, OnInvalidUtf8, OnOverlong, Precision, PredictMode,
-    PredictSpec, SaveWhich, Schedule, Source, TokenizeSpec, TrainSpec, Truncation, WriteMode,
-    WriteSpec,
+    Every, OnBad, OnEmpty, OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec,
+    SaveWhich, Schedule, Source, TokenizeSpec, TrainSpec, Truncation, WriteMode, WriteSpec,
 };
 use suggest::describe_yaml_error;
 

@@ -12,6 +12,7 @@ use crate::catalog::TableDef;
 use crate::config::{Every as EverySpec, Precision, TrainSpec};
 use crate::delta;
 use crate::model::ModelConfig;
+use crate::track::MlflowSettings;
 use crate::train::{EarlyStopping, Every, METRIC_NAMES, TrainSettings};
 
 /// A validated `train` stage.
@@ -33,7 +34,7 @@ pub(crate) struct TrainStage {
     pub split: String,
     pub labels: Option<Vec<String>>,
     pub device: tch::Device,
-    pub mlflow: Option<crate::config::MlflowSpec>,
+    pub mlflow: Option<MlflowSettings>,
     pub settings: TrainSettings,
 }
 
@@ -223,7 +224,11 @@ pub(super) fn train_stage(
         split: t.split,
         labels: t.labels,
         device,
-        mlflow: t.tracking.mlflow,
+        mlflow: t.tracking.mlflow.map(|m| MlflowSettings {
+            uri: m.uri,
+            experiment: m.experiment,
+            run_name: m.run_name,
+        }),
         settings: TrainSettings {
             precision,
             seed: t.seed,

@@ -13,7 +13,6 @@ use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::plan::TrainStage;
 use crate::report::StageReport;
-use crate::track::MlflowSettings;
 use crate::train::{self, ID, Job, Limits};
 
 /// Size and modification time of each file of the model directory that shapes the model.
@@ -148,11 +147,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         config: stage.config.clone(),
         output: stage.output.clone(),
         device: stage.device,
-        mlflow: stage.mlflow.as_ref().map(|m| MlflowSettings {
-            uri: m.uri.clone(),
-            experiment: m.experiment.clone(),
-            run_name: m.run_name.clone(),
-        }),
+        mlflow: stage.mlflow.clone(),
         settings: stage.settings.clone(),
         data: dataset,
         fingerprint: fingerprint.clone(),
