@@ -14,6 +14,7 @@
 //! bf16 products go through oneDNN, which is not affected either way.
 
 use std::ffi::c_int;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
@@ -66,21 +67,22 @@ extern "C" fn mkl_serv_intel_cpu_true() -> c_int {
     mkl_cpu_check()
 }
 
-/// Whether the CPU says it is Intel's (the `GenuineIntel` vendor string).
+/// Whether the CPU says it is Intel's (the `GenuineIntel` vendor string). Read once: MKL may
+/// ask often, and `cpuid` traps to the hypervisor in a virtual machine.
 fn cpu_is_intel() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let r = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [r.ebx, r.edx, r.ecx]
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .collect();
-        vendor == b"GenuineIntel"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    static INTEL: OnceLock<bool> = OnceLock::new();
+    *INTEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let r = std::arch::x86_64::__cpuid(0);
+            let word = |b: &[u8; 4]| u32::from_le_bytes(*b);
+            [r.ebx, r.edx, r.ecx] == [word(b"Genu"), word(b"ineI"), word(b"ntel")]
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
 }
 
 /// The fp32 GEMM path in force, and the measured speed of both precisions' GEMMs.
