@@ -165,3 +165,33 @@ fn info_reports_the_linked_libtorch_which_is_the_pinned_version() {
     assert!(text.contains("libtorch 2.11.0"), "{text}");
     assert!(text.contains("torch intra-op threads: "), "{text}");
 }
+
+#[test]
+fn info_names_the_fp32_gemm_path_and_no_mkl_override_restores_mkls_own() {
+    let s = Scratch::new();
+    let path = |args: &[&str]| {
+        let out = s.pipeline(args);
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{}", s.stderr(&out));
+        assert!(text.contains("GFLOP/s"), "{text}");
+        text.lines()
+            .find_map(|l| l.strip_prefix("fp32 GEMM: "))
+            .unwrap_or_else(|| panic!("no fp32 GEMM line: {text}"))
+            .to_string()
+    };
+    let (on, off) = (path(&["info"]), path(&["--no-mkl-override", "info"]));
+    if on.contains("has no MKL") {
+        return; // a libtorch built without MKL: nothing to override
+    }
+    // MKL asked the binary (the exported answer is linked in) in both runs.
+    assert!(
+        on.starts_with("MKL, ") && off.starts_with("MKL, "),
+        "{on} / {off}"
+    );
+    if on.contains("Intel CPU") {
+        assert_eq!(on, off, "on an Intel CPU the switch changes nothing");
+    } else {
+        assert!(on.contains("fast path by feature dispatch"), "{on}");
+        assert!(off.contains("generic path"), "{off}");
+    }
+}
