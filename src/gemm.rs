@@ -11,7 +11,9 @@
 //! text-embeddings-inference CPU image does with a preloaded library). Off, the answer is the
 //! CPU's real vendor, so MKL behaves exactly as it does without lakeml.
 //!
-//! bf16 products go through oneDNN, which is not affected either way.
+//! bf16 products go through oneDNN, which is not affected either way; so do int8 products
+//! (`_int_mm`), which run at full speed only on CPUs with int8 dot-product instructions
+//! ([`int8_dot_products`]).
 
 use std::ffi::c_int;
 use std::sync::OnceLock;
@@ -85,7 +87,43 @@ fn cpu_is_intel() -> bool {
     })
 }
 
-/// The fp32 GEMM path in force, and the measured speed of both precisions' GEMMs.
+/// Whether the CPU has int8 dot-product instructions (x86 AVX512-VNNI or AVX-VNNI, Arm
+/// dotprod), which oneDNN's int8 GEMMs need to beat bf16; `precision: int8` falls back
+/// without them.
+pub fn int8_dot_products() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512vnni")
+            || std::arch::is_x86_feature_detected!("avxvnni")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("dotprod")
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+/// Whether the CPU has native bf16 dot products (x86 AVX512-BF16, which every AMX CPU has
+/// too; Arm bf16), the fallback for `precision: int8` where int8 dot products are missing.
+pub fn bf16_dot_products() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("bf16")
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+/// The fp32 GEMM path in force, and the measured speed of each precision's GEMMs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct GemmInfo {
     /// Which code path fp32 products take, for people.
@@ -93,18 +131,25 @@ pub struct GemmInfo {
     /// GFLOP/s of a transformer-shaped product (4096×384 · 384×1536) over about a second.
     pub fp32_gflops: f64,
     pub bf16_gflops: f64,
+    /// Giga int8 multiply-adds ×2 per second (`_int_mm`, int32 sums), same shape.
+    pub int8_gops: f64,
+    /// Whether `precision: int8` runs here (see [`int8_dot_products`]).
+    pub int8_dot_products: bool,
 }
 
 impl GemmInfo {
-    /// Measures both precisions on the CPU with libtorch's current threads (about 1.5 s),
+    /// Measures each precision on the CPU with libtorch's current threads (about 2 s),
     /// then says which path MKL took (it has answered its CPU check by then).
     pub fn measure() -> Self {
         let fp32_gflops = gflops(tch::Kind::Float, Duration::from_millis(1000));
         let bf16_gflops = gflops(tch::Kind::BFloat16, Duration::from_millis(500));
+        let int8_gops = gflops(tch::Kind::Int8, Duration::from_millis(500));
         Self {
             fp32_path: fp32_path(),
             fp32_gflops,
             bf16_gflops,
+            int8_gops,
+            int8_dot_products: int8_dot_products(),
         }
     }
 }
@@ -127,19 +172,28 @@ fn fp32_path() -> String {
     }
 }
 
-/// GFLOP/s of repeated `[4096, 384] x [384, 1536]` products (a MiniLM FFN at 4096 tokens).
+/// GFLOP/s of repeated `[4096, 384] x [384, 1536]` products (a MiniLM FFN at 4096 tokens);
+/// int8 as the int8 linear layers run it (`_int_mm` on a transposed `[n, k]` weight).
 fn gflops(kind: tch::Kind, budget: Duration) -> f64 {
     let (m, k, n) = (4096_i64, 384_i64, 1536_i64);
     let _guard = tch::no_grad_guard();
-    let opts = (kind, tch::Device::Cpu);
-    let a = tch::Tensor::randn([m, k], opts);
-    let b = tch::Tensor::randn([k, n], opts);
+    let product: Box<dyn Fn() -> tch::Tensor> = if kind == tch::Kind::Int8 {
+        let opts = (kind, tch::Device::Cpu);
+        let a = tch::Tensor::randint_low(-127, 128, [m, k], opts);
+        let b = tch::Tensor::randint_low(-127, 128, [n, k], opts).tr();
+        Box::new(move || a.internal_int_mm(&b))
+    } else {
+        let opts = (kind, tch::Device::Cpu);
+        let a = tch::Tensor::randn([m, k], opts);
+        let b = tch::Tensor::randn([k, n], opts);
+        Box::new(move || a.matmul(&b))
+    };
     // warm up: the first product pays for dispatch and packing buffers
-    let _ = a.matmul(&b);
+    let _ = product();
     let started = Instant::now();
     let mut runs = 0_u32;
     while started.elapsed() < budget || runs < 2 {
-        let _ = a.matmul(&b);
+        let _ = product();
         runs += 1;
     }
     let seconds = started.elapsed().as_secs_f64();
@@ -156,7 +210,10 @@ mod tests {
         // first fp32 product asks it.
         set_mkl_override(true);
         let info = GemmInfo::measure();
-        assert!(info.fp32_gflops > 0.0 && info.bf16_gflops > 0.0, "{info:?}");
+        assert!(
+            info.fp32_gflops > 0.0 && info.bf16_gflops > 0.0 && info.int8_gops > 0.0,
+            "{info:?}"
+        );
         if tch::utils::has_mkl() {
             assert!(
                 ASKED.load(Ordering::Relaxed),

@@ -244,6 +244,8 @@ pub(crate) enum PredictMode {
 pub(crate) enum Precision {
     Fp32,
     Bf16,
+    /// Inference only, on CPU: int8 products in the encoder (see `model::Linear`).
+    Int8,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, serde::Serialize, PartialEq, Eq)]

@@ -9,7 +9,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, activation, attention, attention_bias, embedding, layer_norm, linear, queries,
+    Classifier, Linear, activation, attention, attention_bias, embedding, layer_norm, linear,
+    queries,
 };
 use crate::error::{Error, Result};
 
@@ -150,13 +151,13 @@ impl Embeddings {
 
 /// `BertLayer`: self-attention + feed-forward, each with residual and LayerNorm.
 struct Layer {
-    query: nn::Linear,
-    key: nn::Linear,
-    value: nn::Linear,
-    attn_out: nn::Linear,
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attn_out: Linear,
     attn_norm: nn::LayerNorm,
-    intermediate: nn::Linear,
-    output: nn::Linear,
+    intermediate: Linear,
+    output: Linear,
     out_norm: nn::LayerNorm,
     heads: i64,
     act: String,
@@ -182,6 +183,20 @@ impl Layer {
             dropout: c.hidden_dropout_prob,
             attn_dropout: c.attention_probs_dropout_prob,
         }
+    }
+
+    /// int8 products, but bf16 for the feed-forward down-projection (see `model::linear`).
+    fn quantize_int8(&mut self) {
+        for l in [
+            &mut self.query,
+            &mut self.key,
+            &mut self.value,
+            &mut self.attn_out,
+            &mut self.intermediate,
+        ] {
+            l.quantize();
+        }
+        self.output.use_bf16();
     }
 
     /// `first_only`: compute the output of the first token only (see [`queries`]).
@@ -222,14 +237,16 @@ impl Encoder {
         })
     }
 
-    /// Hidden states `[batch, seq, hidden]`; in eval mode the last layer computes the first
-    /// token only (`[batch, 1, hidden]`), which is all the classification heads read.
+    /// Hidden states `[batch, seq, hidden]`, except that the last layer computes the first
+    /// token only (`[batch, 1, hidden]`), which is all the classification heads read: in
+    /// training too, where nothing else reaches the loss, so the gradients are the full
+    /// layer's (tested below) without its other rows' query, output and feed-forward.
     fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
         let mut x = self.embeddings.forward_t(input_ids, train);
         let bias = attention_bias(attention_mask, x.kind());
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_t(&x, &bias, train, !train && i == last);
+            x = layer.forward_t(&x, &bias, train, i == last);
         }
         x
     }
@@ -238,8 +255,8 @@ impl Encoder {
 /// `BertForSequenceClassification`: pooler (dense + tanh on `[CLS]`), dropout, classifier.
 pub(crate) struct BertClassifier {
     encoder: Encoder,
-    pooler: nn::Linear,
-    classifier: nn::Linear,
+    pooler: Linear,
+    classifier: Linear,
     dropout: f64,
 }
 
@@ -269,13 +286,20 @@ impl Classifier for BertClassifier {
             .forward(&pooled.dropout(self.dropout, train))
             .to_kind(tch::Kind::Float)
     }
+
+    fn quantize_int8(&mut self) {
+        self.encoder
+            .layers
+            .iter_mut()
+            .for_each(Layer::quantize_int8);
+    }
 }
 
 /// `RobertaForSequenceClassification`: `RobertaClassificationHead` on `<s>`, no pooler.
 pub(crate) struct RobertaClassifier {
     encoder: Encoder,
-    dense: nn::Linear,
-    out_proj: nn::Linear,
+    dense: Linear,
+    out_proj: Linear,
     dropout: f64,
 }
 
@@ -298,5 +322,47 @@ impl Classifier for RobertaClassifier {
         let x = x.select(1, 0).dropout(self.dropout, train);
         let x = self.dense.forward(&x).tanh().dropout(self.dropout, train);
         self.out_proj.forward(&x).to_kind(tch::Kind::Float)
+    }
+
+    fn quantize_int8(&mut self) {
+        self.encoder
+            .layers
+            .iter_mut()
+            .for_each(Layer::quantize_int8);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::nn::{self, Module};
+    use tch::{Device, Tensor};
+
+    use super::{BertClassifier, Classifier, Config, attention_bias};
+    use crate::model::tests::{assert_same_gradients, fixture, golden};
+
+    #[test]
+    fn the_cls_only_last_layer_trains_with_the_full_layers_gradients() {
+        let dir = fixture("models/bert");
+        let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
+        let mut c: Config = serde_json::from_str(&text).expect("a BERT config");
+        c.hidden_dropout_prob = 0.0;
+        c.attention_probs_dropout_prob = 0.0;
+        c.classifier_dropout = Some(0.0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = BertClassifier::new(&vs.root(), &c, 3).expect("build");
+        crate::model::weights::load(&vs, &dir, "bert").expect("weights");
+        let g = golden(dir.join("golden.safetensors"));
+        let (ids, mask) = (&g["input_ids"], &g["attention_mask"]);
+        let full = || -> Tensor {
+            let e = &net.encoder;
+            let mut x = e.embeddings.forward_t(ids, true);
+            let bias = attention_bias(mask, x.kind());
+            for layer in &e.layers {
+                x = layer.forward_t(&x, &bias, true, false);
+            }
+            let pooled = net.pooler.forward(&x.select(1, 0)).tanh();
+            net.classifier.forward(&pooled)
+        };
+        assert_same_gradients(&vs, || net.forward_t(ids, mask, true), full);
     }
 }

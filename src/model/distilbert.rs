@@ -8,7 +8,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, activation, attention, attention_bias, embedding, layer_norm, linear, queries,
+    Classifier, Linear, activation, attention, attention_bias, embedding, layer_norm, linear,
+    queries,
 };
 use crate::error::{Error, Result};
 
@@ -73,13 +74,13 @@ fn seq_classif_dropout() -> f64 {
 
 /// `TransformerBlock`.
 struct Block {
-    q: nn::Linear,
-    k: nn::Linear,
-    v: nn::Linear,
-    out: nn::Linear,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    out: Linear,
     sa_norm: nn::LayerNorm,
-    lin1: nn::Linear,
-    lin2: nn::Linear,
+    lin1: Linear,
+    lin2: Linear,
     out_norm: nn::LayerNorm,
     heads: i64,
     act: String,
@@ -105,6 +106,20 @@ impl Block {
             dropout: c.dropout,
             attn_dropout: c.attention_dropout,
         }
+    }
+
+    /// int8 products, but bf16 for the feed-forward down-projection (see `model::linear`).
+    fn quantize_int8(&mut self) {
+        for l in [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.out,
+            &mut self.lin1,
+        ] {
+            l.quantize();
+        }
+        self.lin2.use_bf16();
     }
 
     /// `first_only`: compute the output of the first token only (see [`queries`]).
@@ -135,8 +150,8 @@ pub(crate) struct DistilBertClassifier {
     position: nn::Embedding,
     norm: nn::LayerNorm,
     blocks: Vec<Block>,
-    pre_classifier: nn::Linear,
-    classifier: nn::Linear,
+    pre_classifier: Linear,
+    classifier: Linear,
     dropout: f64,
     head_dropout: f64,
 }
@@ -193,14 +208,56 @@ impl Classifier for DistilBertClassifier {
         let x = self.word.forward(input_ids) + self.position.forward(&positions);
         let mut x = self.norm.forward(&x).dropout(self.dropout, train);
         let bias = attention_bias(attention_mask, x.kind());
-        // In eval mode the last block computes `[CLS]` only: the head reads nothing else.
+        // The last block computes `[CLS]` only, in training too: the head (and so the loss)
+        // reads nothing else, so the gradients are the full block's (tested below).
         let last = self.blocks.len().saturating_sub(1);
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward_t(&x, &bias, train, !train && i == last);
+            x = block.forward_t(&x, &bias, train, i == last);
         }
         let pooled = self.pre_classifier.forward(&x.select(1, 0)).relu();
         self.classifier
             .forward(&pooled.dropout(self.head_dropout, train))
             .to_kind(tch::Kind::Float)
+    }
+
+    fn quantize_int8(&mut self) {
+        self.blocks.iter_mut().for_each(Block::quantize_int8);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::nn::{self, Module};
+    use tch::{Device, Kind, Tensor};
+
+    use super::{Classifier, Config, DistilBertClassifier, attention_bias};
+    use crate::model::tests::{assert_same_gradients, fixture, golden};
+
+    #[test]
+    fn the_cls_only_last_block_trains_with_the_full_blocks_gradients() {
+        let dir = fixture("models/distilbert");
+        let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
+        let mut c: Config = serde_json::from_str(&text).expect("a DistilBERT config");
+        c.dropout = 0.0;
+        c.attention_dropout = 0.0;
+        c.seq_classif_dropout = 0.0;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = DistilBertClassifier::new(&vs.root(), &c, 3).expect("build");
+        crate::model::weights::load(&vs, &dir, "distilbert").expect("weights");
+        let g = golden(dir.join("golden.safetensors"));
+        let (ids, mask) = (&g["input_ids"], &g["attention_mask"]);
+        let full = || -> Tensor {
+            let t = ids.size()[1];
+            let positions = Tensor::arange(t, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+            let x = net.word.forward(ids) + net.position.forward(&positions);
+            let mut x = net.norm.forward(&x);
+            let bias = attention_bias(mask, x.kind());
+            for block in &net.blocks {
+                x = block.forward_t(&x, &bias, true, false);
+            }
+            let pooled = net.pre_classifier.forward(&x.select(1, 0)).relu();
+            net.classifier.forward(&pooled)
+        };
+        assert_same_gradients(&vs, || net.forward_t(ids, mask, true), full);
     }
 }

@@ -11,13 +11,13 @@ use crate::error::Error;
 /// Tolerance on logits against transformers (fp32, CPU).
 const TOLERANCE: f64 = 1e-4;
 
-fn fixture(name: &str) -> PathBuf {
+pub(super) fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
 }
 
-fn golden(path: PathBuf) -> std::collections::HashMap<String, Tensor> {
+pub(super) fn golden(path: PathBuf) -> std::collections::HashMap<String, Tensor> {
     Tensor::read_safetensors(&path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .into_iter()
@@ -31,6 +31,61 @@ fn load(dir: &std::path::Path, num_labels: i64, device: Device) -> crate::error:
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
+}
+
+/// Asserts that `short` (the classifier's own training forward) and `full` (the same network
+/// with every layer computing every row) give the same logits and, through a cross-entropy
+/// loss, the same gradient for every variable of `vs`: fp32, within 1e-6 + 1e-5 · |grad|.
+/// Both must run without dropout, whose draws would differ between the two.
+pub(super) fn assert_same_gradients(
+    vs: &tch::nn::VarStore,
+    short: impl Fn() -> Tensor,
+    full: impl Fn() -> Tensor,
+) {
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let run = |forward: &dyn Fn() -> Tensor| {
+        for (_, v) in &vars {
+            let mut g = v.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        let logits = forward();
+        let (rows, classes) = (logits.size()[0], logits.size()[1]);
+        let labels = Tensor::arange(rows, (Kind::Int64, Device::Cpu)).remainder(classes);
+        logits.cross_entropy_for_logits(&labels).backward();
+        let grads: Vec<Tensor> = vars
+            .iter()
+            .map(|(_, v)| {
+                let g = v.grad();
+                if g.defined() {
+                    g.copy()
+                } else {
+                    v.zeros_like()
+                }
+            })
+            .collect();
+        (logits.detach(), grads)
+    };
+    let (short_logits, short_grads) = run(&short);
+    let (full_logits, full_grads) = run(&full);
+    let d = max_diff(&short_logits, &full_logits);
+    assert!(d <= 1e-6, "logits differ by {d}");
+    let mut nonzero = 0;
+    for ((name, _), (a, b)) in vars.iter().zip(short_grads.iter().zip(&full_grads)) {
+        let scale = b.abs().max().double_value(&[]);
+        let d = max_diff(a, b);
+        assert!(
+            d <= 1e-6 + 1e-5 * scale,
+            "{name}: gradients differ by {d} (largest {scale})"
+        );
+        nonzero += usize::from(scale > 0.0);
+    }
+    assert!(
+        nonzero > vars.len() / 2,
+        "most gradients are zero: the test tests nothing"
+    );
 }
 
 fn logits(model: &Model, ids: &Tensor, mask: &Tensor) -> Tensor {

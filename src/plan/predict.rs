@@ -154,6 +154,29 @@ pub(super) fn predict_stage(
     })
 }
 
+/// `int8` where the CPU has int8 dot products; otherwise bf16 (or fp32 without bf16 dot
+/// products either) with a warning, never oneDNN's slow int8 emulation.
+fn int8_or_fallback(f: &str) -> Precision {
+    if crate::gemm::int8_dot_products() {
+        return Precision::Int8;
+    }
+    let fallback = if crate::gemm::bf16_dot_products() {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    };
+    eprintln!(
+        "lakeml: warning: {f}.precision: int8 needs int8 dot-product instructions (AVX512-VNNI \
+         or AVX-VNNI, Arm dotprod), which this CPU lacks; running in {} instead",
+        if fallback == Precision::Bf16 {
+            "bf16"
+        } else {
+            "fp32"
+        }
+    );
+    fallback
+}
+
 /// How a model runs for inference, as a `predict` stage or a `serve` model writes it.
 pub(crate) struct Inference<'a> {
     pub device: &'a str,
@@ -205,11 +228,17 @@ pub(crate) fn inference_settings(
             "{f}.replicas: {replicas} replicas need at least as many `threads` ({threads})"
         ));
     }
-    let precision = p.precision.unwrap_or(if device.is_cuda() {
-        Precision::Bf16
-    } else {
-        Precision::Fp32
-    });
+    let precision = match p.precision {
+        Some(Precision::Int8) if device.is_cuda() => {
+            return Err(format!(
+                "{f}.precision: int8 runs on CPU only; on CUDA use bf16 (the default there)"
+            ));
+        }
+        Some(Precision::Int8) => int8_or_fallback(f),
+        Some(precision) => precision,
+        None if device.is_cuda() => Precision::Bf16,
+        None => Precision::Fp32,
+    };
     Ok((
         device,
         PredictSettings {

@@ -196,11 +196,16 @@ pub(super) fn train_stage(
             return Err(format!("{f}.labels: list at least two classes, each once"));
         }
     }
-    let precision = t.precision.unwrap_or(if device.is_cuda() {
-        Precision::Bf16
-    } else {
-        Precision::Fp32
-    });
+    let precision = match t.precision {
+        Some(Precision::Int8) => {
+            return Err(format!(
+                "{f}.precision: int8 is for inference (predict, serve); train in fp32 or bf16"
+            ));
+        }
+        Some(precision) => precision,
+        None if device.is_cuda() => Precision::Bf16,
+        None => Precision::Fp32,
+    };
     let threads = t.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });

@@ -161,6 +161,9 @@ fn load(
         model.vs.set_kind(Kind::BFloat16);
     }
     model.vs.freeze();
+    if precision == Precision::Int8 {
+        model.net.quantize_int8();
+    }
     Ok(model)
 }
 

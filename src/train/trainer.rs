@@ -128,8 +128,9 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     )?;
     let pad_id = model.config.arch.pad_token_id();
     let kind = match s.precision {
-        Precision::Fp32 => Kind::Float,
         Precision::Bf16 => Kind::BFloat16,
+        // The plan refuses int8 for training.
+        Precision::Fp32 | Precision::Int8 => Kind::Float,
     };
     let mut opt = AdamW::new(
         &model.vs,

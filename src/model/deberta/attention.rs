@@ -7,19 +7,20 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::{Config, Relative, Settings};
 use super::dropout;
+use crate::model::Linear;
 
 /// upstream: `DisentangledSelfAttention`, computed per head on `[batch, heads, seq, dim]`
 /// instead of upstream's `[batch * heads, seq, dim]` (same numbers).
 #[derive(Debug)]
 pub(super) struct SelfAttention {
-    pub(super) query_proj: nn::Linear,
-    pub(super) key_proj: nn::Linear,
-    pub(super) value_proj: nn::Linear,
+    pub(super) query_proj: Linear,
+    pub(super) key_proj: Linear,
+    pub(super) value_proj: Linear,
     /// Separate projections of the relative embeddings, made when `share_att_key` is false
     /// and only for the scores that are on (c2p reads `pos_key_proj`, p2c `pos_query_proj`);
     /// otherwise `key_proj` and `query_proj` project them too.
-    pub(super) pos_key_proj: Option<nn::Linear>,
-    pub(super) pos_query_proj: Option<nn::Linear>,
+    pub(super) pos_key_proj: Option<Linear>,
+    pub(super) pos_query_proj: Option<Linear>,
     pub(super) heads: i64,
     pub(super) c2p: bool,
     pub(super) p2c: bool,

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use tch::nn;
 
 use crate::error::{Error, Result};
-use crate::model::ACTIVATIONS;
+use crate::model::{ACTIVATIONS, Linear};
 
 /// A DeBERTa-v2/v3 `config.json`, as transformers' `DebertaV2Config` reads it.
 ///
@@ -304,7 +304,7 @@ impl Settings {
         })
     }
 
-    pub(super) fn linear(&self, p: nn::Path, input: i64, output: i64, bias: bool) -> nn::Linear {
+    pub(super) fn linear(&self, p: nn::Path, input: i64, output: i64, bias: bool) -> Linear {
         let cfg = nn::LinearConfig {
             ws_init: nn::Init::Randn {
                 mean: 0.0,
@@ -313,7 +313,7 @@ impl Settings {
             bs_init: bias.then_some(nn::Init::Const(0.0)),
             bias,
         };
-        nn::linear(p, input, output, cfg)
+        Linear::new(nn::linear(p, input, output, cfg))
     }
 
     pub(super) fn embedding(

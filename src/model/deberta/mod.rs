@@ -24,7 +24,7 @@ use attention::{RelativeInputs, SelfAttention, relative_positions};
 pub(crate) use config::Config;
 use config::{Relative, Settings};
 
-use super::{Classifier, activation};
+use super::{Classifier, Linear, activation};
 use crate::error::Result;
 
 /// Dropout when training, the identity otherwise.
@@ -42,7 +42,7 @@ struct Embeddings {
     word: nn::Embedding,
     position: Option<nn::Embedding>,
     token_type: Option<nn::Embedding>,
-    embed_proj: Option<nn::Linear>,
+    embed_proj: Option<Linear>,
     layer_norm: nn::LayerNorm,
     dropout: f64,
 }
@@ -96,7 +96,7 @@ impl Embeddings {
 /// upstream: `DebertaV2SelfOutput` and `DebertaV2Output` (dense, dropout, residual LayerNorm).
 #[derive(Debug)]
 struct Output {
-    dense: nn::Linear,
+    dense: Linear,
     layer_norm: nn::LayerNorm,
     dropout: f64,
 }
@@ -121,7 +121,7 @@ impl Output {
 struct Layer {
     attention: SelfAttention,
     attention_output: Output,
-    intermediate: nn::Linear,
+    intermediate: Linear,
     act: String,
     output: Output,
 }
@@ -140,6 +140,18 @@ impl Layer {
             act: cfg.hidden_act.clone(),
             output: Output::new(&p / "output", cfg.intermediate_size, cfg, s),
         }
+    }
+
+    /// int8 products, but bf16 for the feed-forward down-projection (see `model::linear`).
+    fn quantize_int8(&mut self) {
+        let a = &mut self.attention;
+        let linears = [&mut a.query_proj, &mut a.key_proj, &mut a.value_proj]
+            .into_iter()
+            .chain(a.pos_key_proj.as_mut())
+            .chain(a.pos_query_proj.as_mut())
+            .chain([&mut self.attention_output.dense, &mut self.intermediate]);
+        linears.for_each(Linear::quantize);
+        self.output.dense.use_bf16();
     }
 
     fn forward_t(
@@ -263,7 +275,7 @@ impl Encoder {
 /// upstream: `ContextPooler`: the first token, dropout, dense, activation.
 #[derive(Debug)]
 struct ContextPooler {
-    dense: nn::Linear,
+    dense: Linear,
     act: String,
     dropout: f64,
 }
@@ -285,7 +297,7 @@ pub(crate) struct DebertaV2ForSequenceClassification {
     embeddings: Embeddings,
     encoder: Encoder,
     pooler: ContextPooler,
-    classifier: nn::Linear,
+    classifier: Linear,
     /// `cls_dropout`, or `hidden_dropout_prob` when the config has none.
     dropout: f64,
 }
@@ -317,6 +329,13 @@ impl Classifier for DebertaV2ForSequenceClassification {
         let hidden = self.encoder.forward_t(&embedded, attention_mask, train);
         let pooled = dropout(&self.pooler.forward_t(&hidden, train), self.dropout, train);
         pooled.apply(&self.classifier).to_kind(Kind::Float)
+    }
+
+    fn quantize_int8(&mut self) {
+        self.encoder
+            .layers
+            .iter_mut()
+            .for_each(Layer::quantize_int8);
     }
 }
 
