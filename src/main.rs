@@ -70,8 +70,13 @@ enum Command {
     },
     /// Read a password on stdin and print its argon2 hash, for a `serve` users file.
     HashPassword,
-    /// Show what this build links: libtorch, threads, CUDA devices.
-    Info,
+    /// Show what this build links (libtorch, threads, CUDA devices) and how fast its GEMMs
+    /// run here at each precision.
+    Info {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -171,8 +176,13 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             println!("{}", hash_password(password)?);
             Ok(())
         }
-        Command::Info => {
-            println!("{}", RuntimeInfo::detect());
+        Command::Info { json } => {
+            let info = RuntimeInfo::detect();
+            if json {
+                println!("{}", serde_json::to_string(&info).unwrap_or_default());
+            } else {
+                println!("{info}");
+            }
             Ok(())
         }
     }

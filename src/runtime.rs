@@ -51,8 +51,17 @@ impl std::fmt::Display for RuntimeInfo {
         writeln!(f, "fp32 GEMM: {}", self.gemm.fp32_path)?;
         writeln!(
             f,
-            "GEMM speed (4096x384 . 384x1536, {} threads): fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s",
-            self.torch_threads, self.gemm.fp32_gflops, self.gemm.bf16_gflops
+            "GEMM speed (4096x384 . 384x1536, {} threads): fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s, \
+             int8 {:.0} GOP/s{}",
+            self.torch_threads,
+            self.gemm.fp32_gflops,
+            self.gemm.bf16_gflops,
+            self.gemm.int8_gops,
+            if self.gemm.int8_dot_products {
+                ""
+            } else {
+                " (no int8 dot-product instructions: `precision: int8` falls back)"
+            }
         )?;
         if self.cuda_available {
             write!(f, "cuda: {} device(s)", self.cuda_devices)

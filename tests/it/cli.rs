@@ -180,6 +180,17 @@ fn info_names_the_fp32_gemm_path_and_no_mkl_override_restores_mkls_own() {
             .to_string()
     };
     let (on, off) = (path(&["info"]), path(&["--no-mkl-override", "info"]));
+    // --json: the same facts for scripts (the benchmarks read their GEMM peaks from it).
+    let out = s.pipeline(&["info", "--json"]);
+    assert!(out.status.success(), "{}", s.stderr(&out));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    for key in ["fp32_gflops", "bf16_gflops", "int8_gops"] {
+        assert!(
+            info["gemm"][key].as_f64().is_some_and(|v| v > 0.0),
+            "{key}: {info}"
+        );
+    }
+    assert!(info["gemm"]["int8_dot_products"].is_boolean(), "{info}");
     if on.contains("has no MKL") {
         return; // a libtorch built without MKL: nothing to override
     }
