@@ -1,10 +1,26 @@
-"""Batch prediction benchmark: lakeml's predict stage against HF `pipeline` and `Trainer.predict`.
+"""Batch prediction benchmark: lakeml's predict stage against the CPU peers a user would pick.
 
 Run with `scripts/bench.sh predict` (builds lakeml, installs the peers, then calls this);
-`--precision fp32|bf16|both` (default both), `--repeats N` (default 3, medians), `--rows N`
-(a fixed sample of N reviews, for quick runs; default all 12,808), `--model DIR` (a trained
-classifier directory; default a MiniLM-L6 classifier with a seeded head, made here),
-`--side all|lakeml|lakeml_generic|pipeline|trainer`, `--threads N`, `--out FILE` (a JSON summary).
+`--precision fp32|bf16|int8|both|all` (default all; both = fp32 and bf16), `--repeats N`
+(default 3, medians), `--rows N` (a fixed sample of N reviews, for quick runs; default all
+12,808), `--model DIR` (a trained classifier directory; default a MiniLM-L6 classifier with a
+seeded head, made here; give a fine-tuned one, such as the demo's runs/rotten-tomatoes/model,
+for label agreement that means something), `--side all|SIDE[,SIDE...]` (the keys of SIDES
+below), `--threads N`, `--out FILE` (a JSON summary).
+
+The sides, each at the precisions it offers (PRECISIONS):
+- lakeml (fp32, bf16, int8) and lakeml_generic (fp32, its MKL override off);
+- HF `pipeline` and `Trainer.predict` (fp32, bf16): what HF's docs recommend;
+- careful PyTorch (`torch`: rows sorted by length in batches of 64, `inference_mode`, bf16 by
+  autocast), and the same with the MKL override preloaded (`torch_mkl`): what a tuned user
+  writes by hand;
+- ONNX Runtime (`ort`): the model exported by `torch.onnx.export`, fp32, and int8 by
+  `onnxruntime.quantization.quantize_dynamic` (QInt8 weights; per-channel, its more accurate
+  setting here), sorted batches of 64 as above.
+Every table of results has a column of label agreement with lakeml at fp32 (which equals
+transformers at fp32) and one of MFU: the model's FLOPs (every linear layer and attention
+product for each real token) per second of wall time, over the GEMM peak at that precision
+that `pipeline info --json` measures on this machine.
 
 What is measured: classifying every review of a Delta table with one classifier directory
 (all-MiniLM-L6-v2 plus a 2-way head: rotten / fresh), table in, table out: each side reads
@@ -48,13 +64,17 @@ import statistics
 import sys
 import time
 
-from measure import SideFailed, run_measured, stage_reports, tail, work_dir
+from measure import SideFailed, gemm_peaks, mkl_override_lib, run_measured, stage_reports, tail, work_dir
 
 BATCH_SIZE = 64
 LABELS = "rotten,fresh"
 RESULT = "BENCH_RESULT "  # prefix of an HF child's result line (transformers logs too)
 SIDES = {"lakeml": "lakeml", "lakeml_generic": "lakeml, MKL generic", "pipeline": "HF pipeline",
-         "trainer": "HF Trainer.predict"}
+         "trainer": "HF Trainer.predict", "torch": "PyTorch, careful", "torch_mkl": "PyTorch + MKL override",
+         "ort": "ONNX Runtime"}
+PRECISIONS = {"lakeml": ("fp32", "bf16", "int8"), "lakeml_generic": ("fp32",), "pipeline": ("fp32", "bf16"),
+              "trainer": ("fp32", "bf16"), "torch": ("fp32", "bf16"), "torch_mkl": ("fp32", "bf16"),
+              "ort": ("fp32", "int8")}
 # lakeml_generic: lakeml with its answer to MKL's CPU check switched off (LAKEML_MKL_OVERRIDE=0),
 # so its fp32 products take MKL's generic path on a non-Intel CPU, as the HF sides' do.
 LAKEML_SIDES = {"lakeml": {}, "lakeml_generic": {"LAKEML_MKL_OVERRIDE": "0"}}
@@ -80,8 +100,83 @@ def lakeml_side(bin_: str, yaml: str, precision: str, env: dict, side: str = "la
 
 # --- HF sides (child processes) --------------------------------------------------------------
 
+def sorted_batches(tok, texts: list[str]):
+    """The careful sides' batching: tokenized (fast tokenizer, truncation at 512), rows sorted
+    by length, BATCH_SIZE rows per batch padded to the longest; yields (row indices, batch)."""
+    enc = tok(texts, truncation=True)["input_ids"]
+    order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
+    for start in range(0, len(order), BATCH_SIZE):
+        rows = order[start:start + BATCH_SIZE]
+        yield rows, tok.pad({"input_ids": [enc[i] for i in rows]}, return_tensors="np")
+
+
+def careful_child(kind: str, texts: list[str], model: str, precision: str, threads: int):
+    """PyTorch by hand (`torch`) or ONNX Runtime (`ort`) over sorted batches; (logits, extra)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    logits = np.zeros((len(texts), 0), dtype=np.float32)
+    if kind == "ort":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # LAKEML_BENCH_ONNX: the directory export_onnx wrote (by the driver, not timed).
+        path = os.path.join(os.environ["LAKEML_BENCH_ONNX"], "model.int8.onnx" if precision == "int8" else "model.onnx")
+        session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        t0 = time.perf_counter()
+        for rows, b in sorted_batches(tok, texts):
+            out = session.run(None, {"input_ids": b["input_ids"].astype(np.int64),
+                                     "attention_mask": b["attention_mask"].astype(np.int64)})[0]
+            if logits.shape[1] == 0:
+                logits = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
+            logits[rows] = out
+        return logits, time.perf_counter() - t0, {"onnxruntime": ort.__version__}
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    net = AutoModelForSequenceClassification.from_pretrained(model).eval()
+    t0 = time.perf_counter()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        for rows, b in sorted_batches(tok, texts):
+            out = net(input_ids=torch.from_numpy(b["input_ids"]).long(),
+                      attention_mask=torch.from_numpy(b["attention_mask"]).long()).logits.float().numpy()
+            if logits.shape[1] == 0:
+                logits = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
+            logits[rows] = out
+    return logits, time.perf_counter() - t0, {"mkl_override": "LD_PRELOAD" in os.environ}
+
+
+def export_onnx(model: str, out: str) -> None:
+    """Child process (not timed): `torch.onnx.export` of the classifier (dynamic batch and
+    length) to out/model.onnx, and `quantize_dynamic` of it to out/model.int8.onnx."""
+    import warnings
+
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    net = AutoModelForSequenceClassification.from_pretrained(model).eval()
+    b = AutoTokenizer.from_pretrained(model)(["an example", "a longer example sentence"], padding=True,
+                                             return_tensors="pt")
+    os.makedirs(out, exist_ok=True)
+    axes = {"b": 0, "t": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (b["input_ids"], b["attention_mask"]), os.path.join(out, "model.onnx"),
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_axes={"input_ids": {v: k for k, v in axes.items()},
+                                        "attention_mask": {v: k for k, v in axes.items()}, "logits": {0: "b"}},
+                          opset_version=17, dynamo=False)
+        quantize_dynamic(os.path.join(out, "model.onnx"), os.path.join(out, "model.int8.onnx"),
+                         weight_type=QuantType.QInt8, per_channel=True)
+
+
 def hf_child(kind: str, source: str, model: str, precision: str, threads: int, dest: str) -> None:
-    """Child process: one HF side, Delta table in, Delta table of (id, label, score) out."""
+    """Child process: one peer side, Delta table in, Delta table of (id, label, score) out."""
     import torch
 
     torch.set_num_threads(threads)
@@ -101,7 +196,15 @@ def hf_child(kind: str, source: str, model: str, precision: str, threads: int, d
 
     started = time.perf_counter()
     table = deltalake.DeltaTable(source).to_pyarrow_table(columns=["id", "text"])
-    if kind == "pipeline":
+    if kind in ("torch", "ort"):
+        logits, predict_s, more = careful_child(kind, table.column("text").to_pylist(), model, precision, threads)
+        extra |= more
+        id2label = json.loads(pathlib.Path(model, "config.json").read_text())["id2label"]
+        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = z / z.sum(axis=-1, keepdims=True)
+        labels = [id2label[str(int(i))] for i in probs.argmax(axis=-1)]
+        scores = probs.max(axis=-1).tolist()
+    elif kind == "pipeline":
         clf = pipeline("text-classification", model=model, device="cpu", dtype=dtype)
         texts = table.column("text").to_pylist()
         t0 = time.perf_counter()
@@ -151,11 +254,16 @@ def hf_child(kind: str, source: str, model: str, precision: str, threads: int, d
 
 
 def hf_side(kind: str, source: str, model: str, precision: str, threads: int, dest: str, env: dict) -> dict:
-    r = run_measured([sys.executable, __file__, "--child", kind, source, model, precision, str(threads), dest], env)
+    child = kind
+    if kind == "torch_mkl":
+        child, env = "torch", dict(env, LD_PRELOAD=env["LAKEML_BENCH_MKL_OVERRIDE"])
+    r = run_measured([sys.executable, __file__, "--child", child, source, model, precision, str(threads), dest], env)
     lines = [x for x in r["stdout"].splitlines() if x.startswith(RESULT)]
     if r["rc"] != 0 or not lines:
         raise SideFailed(f"{SIDES[kind]} ({precision}) exited {r['rc']}:\n{tail(r['stderr'] + r['stdout'])}")
     out = json.loads(lines[-1][len(RESULT):])
+    if kind == "torch_mkl" and not out.get("mkl_override"):
+        raise SideFailed("PyTorch + MKL override: LD_PRELOAD did not reach the child")
     return {"side": kind, "precision": precision, **out, "rss_mib": r["rss_mib"], "wall_s": r["wall"],
             "stderr_tail": tail(r["stderr"], 5)}
 
@@ -179,8 +287,20 @@ def agreement(reference: str, other: str) -> dict:
 
 # --- driver ----------------------------------------------------------------------------------
 
+def model_flops(model: str, lengths: list[int]) -> float:
+    """FLOPs of the full forward pass over rows of these token lengths (no padding): every
+    linear layer of every layer for each token, plus the attention products (QK^T and PV);
+    the head and the elementwise work are left out (they are well under 1%)."""
+    c = json.loads(pathlib.Path(model, "config.json").read_text())
+    h = c.get("hidden_size", c.get("dim"))
+    inner = c.get("intermediate_size", c.get("hidden_dim"))
+    layers = c.get("num_hidden_layers", c.get("n_layers"))
+    tokens, squares = sum(lengths), sum(t * t for t in lengths)
+    return 2.0 * layers * (tokens * (4 * h * h + 2 * h * inner) + 2 * h * squares)
+
+
 def summarize(runs: list[dict], sides: list[str], precisions: list[str], agree: dict, rows: int,
-              args) -> dict:
+              args, flops: float, peaks: dict) -> dict:
     med = {}
     for p in precisions:
         for s in sides:
@@ -191,25 +311,38 @@ def summarize(runs: list[dict], sides: list[str], precisions: list[str], agree: 
             predict = [x["predict_s"] for x in xs if x.get("predict_s") is not None]
             m["predict_s"] = statistics.median(predict) if predict else None
             m["rows_per_s"] = rows / m["wall_s"]
+            m["model_gflops"] = flops / m["wall_s"] / 1e9
+            m["mfu"] = m["model_gflops"] / peaks[p] if peaks.get(p) else None
             m["runs"] = len(xs)
             med[f"{s}/{p}"] = m
     compare = {}
     for p in precisions:
         print()
         print(f"{p}: {rows:,} rows, table -> table, {args.threads} intra-op threads per side "
-              f"(os.cpu_count() = {os.cpu_count()}); medians of {args.repeats}")
-        print(f"{'side':20}{'rows/s':>9}{'wall s':>9}{'in-proc s':>11}{'predict s':>11}"
-              f"{'peak RSS MiB':>14}{'same label':>12}")
+              f"(os.cpu_count() = {os.cpu_count()}); medians of {args.repeats}; GEMM peak here "
+              f"{peaks.get(p, float('nan')):.0f} G{'OP' if p == 'int8' else 'FLOP'}/s")
+        print(f"{'side':24}{'rows/s':>9}{'wall s':>9}{'in-proc s':>11}{'predict s':>11}"
+              f"{'peak RSS MiB':>14}{'same label':>12}{'MFU':>7}")
         for s in sides:
             m = med.get(f"{s}/{p}")
             if not m:
                 continue
             pred = f"{m['predict_s']:11.2f}" if m["predict_s"] is not None else f"{'-':>11}"
             ag = agree.get(f"{s}/{p}")
-            same = "(ref)" if s == "lakeml" else (f"{ag['same_label']:.4f}" if ag else "-")
-            print(f"{SIDES[s]:20}{m['rows_per_s']:9.1f}{m['wall_s']:9.2f}{m['stage_s']:11.2f}{pred}"
-                  f"{m['rss_mib']:14,.0f}{same:>12}")
+            same = "(ref)" if (s, p) == ("lakeml", "fp32") else (f"{ag['same_label']:.4f}" if ag else "-")
+            mfu = f"{m['mfu']:7.1%}" if m["mfu"] is not None else f"{'-':>7}"
+            print(f"{SIDES[s]:24}{m['rows_per_s']:9.1f}{m['wall_s']:9.2f}{m['stage_s']:11.2f}{pred}"
+                  f"{m['rss_mib']:14,.0f}{same:>12}{mfu}")
         lk = med.get(f"lakeml/{p}")
+        peers = {s: med[f"{s}/{p}"] for s in sides if s not in LAKEML_SIDES and f"{s}/{p}" in med}
+        if lk and peers:
+            fastest = max(peers, key=lambda s: peers[s]["rows_per_s"])
+            compare.setdefault(p, {}).update(
+                {f"lakeml/{s}": lk["rows_per_s"] / m["rows_per_s"] for s, m in peers.items()}
+                | {"lakeml/fastest_peer": lk["rows_per_s"] / peers[fastest]["rows_per_s"], "fastest_peer": fastest})
+            print("rows/s (wall): " + "; ".join(f"lakeml / {SIDES[s]} {lk['rows_per_s'] / m['rows_per_s']:.2f}x"
+                                                 for s, m in peers.items())
+                  + f"; lakeml / fastest peer ({SIDES[fastest]}) {lk['rows_per_s'] / peers[fastest]['rows_per_s']:.2f}x")
         hf = {s: med[f"{s}/{p}"] for s in ("pipeline", "trainer") if f"{s}/{p}" in med}
         if lk and hf:
             c = {f"lakeml/{s}": lk["rows_per_s"] / m["rows_per_s"] for s, m in hf.items()}
@@ -217,10 +350,7 @@ def summarize(runs: list[dict], sides: list[str], precisions: list[str], agree: 
             c["lakeml/faster_hf"] = lk["rows_per_s"] / hf[best]["rows_per_s"]
             c["faster_hf"] = SIDES[best]
             c["lakeml_rss_over_faster_hf"] = lk["rss_mib"] / hf[best]["rss_mib"]
-            compare[p] = c
-            parts = [f"lakeml / {SIDES[s]} {c[f'lakeml/{s}']:.2f}x" for s in hf]
-            print("rows/s (wall): " + "; ".join(parts)
-                  + f"; lakeml / faster HF side ({SIDES[best]}) {c['lakeml/faster_hf']:.2f}x")
+            compare.setdefault(p, {}).update(c)
         generic = med.get(f"lakeml_generic/{p}")
         if lk and generic:
             compare.setdefault(p, {})["lakeml/lakeml_generic"] = lk["rows_per_s"] / generic["rows_per_s"]
@@ -241,30 +371,36 @@ def summarize(runs: list[dict], sides: list[str], precisions: list[str], agree: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin", default=os.environ.get("LAKEML_BIN"), help="the pipeline binary (default $LAKEML_BIN)")
-    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "int8", "both", "all"], default="all",
+                    help="both: fp32 and bf16; all: fp32, bf16 and int8")
     ap.add_argument("--repeats", type=int, default=3, help="runs per side and precision, interleaved (median)")
     ap.add_argument("--rows", type=int, help="predict a fixed sample of N reviews (default: all)")
     ap.add_argument("--model", help="classifier directory (default: MiniLM-L6 + a seeded 2-way head, made here)")
-    ap.add_argument("--side", choices=["all", *SIDES], default="all")
+    ap.add_argument("--side", default="all", help=f"all, or a comma-separated list of {', '.join(SIDES)}")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="intra-op threads for every side (default: all cores)")
     ap.add_argument("--out", help="write a JSON summary here")
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     ap.add_argument("--child", nargs=6, metavar=("KIND", "SOURCE", "MODEL", "PRECISION", "THREADS", "DEST"),
                     help=argparse.SUPPRESS)
+    ap.add_argument("--export-onnx", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         kind, source, model, precision, threads, dest = args.child
         return hf_child(kind, source, model, precision, int(threads), dest)
-    if not args.bin and (args.side == "all" or args.side in LAKEML_SIDES):
+    if args.export_onnx:
+        return export_onnx(*args.export_onnx)
+    sides = list(SIDES) if args.side == "all" else args.side.split(",")
+    if unknown := [s for s in sides if s not in SIDES]:
+        sys.exit(f"--side: unknown {', '.join(unknown)} (known: all, {', '.join(SIDES)})")
+    if not args.bin:
         sys.exit("give the pipeline binary with --bin or LAKEML_BIN (scripts/bench.sh predict does)")
     if args.repeats < 1 or (args.rows is not None and args.rows < 1):
         sys.exit("--repeats and --rows must be at least 1")
 
     root = pathlib.Path(__file__).resolve().parent.parent
     assets = pathlib.Path(os.path.expanduser(os.environ.get("LAKEML_ASSETS", "~/.cache/lakeml/assets")))
-    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
-    sides = list(SIDES) if args.side == "all" else [args.side]
+    precisions = {"both": ["fp32", "bf16"], "all": ["fp32", "bf16", "int8"]}.get(args.precision, [args.precision])
     with work_dir("lakeml-bench-predict-", args.keep) as work:
         env = dict(os.environ, LAKEML_BENCH_DIR=str(work), LAKEML_ASSETS=str(assets),
                    LAKEML_BENCH_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
@@ -289,8 +425,6 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
             sys.exit(f"making the classifier failed:\n{tail(made['stderr'])}")
     env["LAKEML_BENCH_MODEL"] = model
     # The shared input: the reviews as a Delta table (made once by lakeml, not timed).
-    if not args.bin:
-        sys.exit("the input table is made by lakeml: give --bin or LAKEML_BIN")
     made = run_measured([args.bin, "run", "--json", "--quiet", str(root / "benches/pipelines/predict_input.yaml")], env)
     if made["rc"] != 0:
         sys.exit(f"making the input table failed:\n{tail(made['stderr'])}")
@@ -298,6 +432,23 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
     import deltalake
     rows = deltalake.DeltaTable(source).to_pyarrow_table(columns=["id"]).num_rows
     print(f"input: {rows:,} rows in {source}; model {model}", flush=True)
+    # Set-up of the peers, not timed: the ONNX export and int8 model, the MKL override library.
+    if "ort" in sides:
+        env["LAKEML_BENCH_ONNX"] = str(work / "onnx")
+        made = run_measured([sys.executable, __file__, "--export-onnx", model, env["LAKEML_BENCH_ONNX"]], env)
+        if made["rc"] != 0:
+            sys.exit(f"exporting the model to ONNX failed:\n{tail(made['stderr'])}")
+    if "torch_mkl" in sides:
+        env["LAKEML_BENCH_MKL_OVERRIDE"] = mkl_override_lib(work)
+    # The model's FLOPs over these rows (real tokens, truncated at 512), and this machine's
+    # GEMM peaks, for MFU.
+    from transformers import AutoTokenizer
+    texts = deltalake.DeltaTable(source).to_pyarrow_table(columns=["text"]).column("text").to_pylist()
+    lengths = [len(x) for x in AutoTokenizer.from_pretrained(model)(texts, truncation=True)["input_ids"]]
+    flops = model_flops(model, lengths)
+    peaks = gemm_peaks(args.bin, env)
+    print(f"model FLOPs over the {rows:,} rows ({sum(lengths):,} tokens): {flops / 1e12:.2f} TFLOP; GEMM peaks "
+          f"here (pipeline info): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), flush=True)
     yaml = str(root / "benches/pipelines/predict.yaml")
     if any(s in LAKEML_SIDES for s in sides):
         check = run_measured([args.bin, "validate", yaml], env)
@@ -313,6 +464,8 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
         for i in range(args.repeats):
             for p in precisions:
                 for s in (sides if i % 2 == 0 else sides[::-1]):
+                    if p not in PRECISIONS[s]:
+                        continue
                     if s in LAKEML_SIDES:
                         r = lakeml_side(args.bin, yaml, p, env, side=s)
                     else:
@@ -321,23 +474,25 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
                     if r["rows"] != rows:
                         raise SideFailed(f"{SIDES[s]} ({p}) predicted {r['rows']} rows of {rows}")
                     runs.append(r)
-                    print(f"  run {i + 1} {SIDES[s]:19} {p}: {rows / r['wall_s']:8.1f} rows/s, "
+                    print(f"  run {i + 1} {SIDES[s]:23} {p}: {rows / r['wall_s']:8.1f} rows/s, "
                           f"{r['wall_s']:.2f} s wall, {r['stage_s']:.2f} s in-process, "
                           f"{r['rss_mib']:,.0f} MiB", flush=True)
     except SideFailed as e:
         sys.exit(f"\n{e}")
 
+    # Label agreement with lakeml at fp32 (which equals transformers at fp32), or with lakeml at
+    # the same precision when fp32 was not run.
     agree = {}
     if "lakeml" in sides:
         for p in precisions:
+            ref = dest("lakeml", "fp32" if "fp32" in precisions else p)
             for s in sides:
-                if s != "lakeml":
-                    agree[f"{s}/{p}"] = agreement(dest("lakeml", p), dest(s, p))
-        if "fp32" in precisions and "bf16" in precisions:
-            agree["lakeml-bf16/fp32"] = agreement(dest("lakeml", "fp32"), dest("lakeml", "bf16"))
-    summary = summarize(runs, sides, precisions, agree, rows, args)
+                if p in PRECISIONS[s] and dest(s, p) != ref:
+                    agree[f"{s}/{p}"] = agreement(ref, dest(s, p))
+    summary = summarize(runs, sides, precisions, agree, rows, args, flops, peaks)
     print()
-    print("same label: fraction of rows whose predicted label equals lakeml's at that precision")
+    print("same label: fraction of rows whose predicted label equals lakeml's at "
+          + ("fp32" if "fp32" in precisions else "the same precision"))
     for key, ag in agree.items():
         print(f"  {key:22} same label {ag['same_label']:.4f}, max |score diff| {ag['max_score_diff']:.2e}")
     print(f"load average now {os.getloadavg()[0]:.2f} (1 min), {os.getloadavg()[2]:.2f} (15 min) "
@@ -350,7 +505,7 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
                "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
                "config": {"rows": rows, "batch_size": BATCH_SIZE, "max_length": 512, "model": model,
                           "repeats": args.repeats, "precisions": precisions},
-               "runs": runs, **summary}
+               "gemm_peaks": peaks, "model_tflop": flops / 1e12, "runs": runs, **summary}
         pathlib.Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"summary written to {args.out}")
 

@@ -9,6 +9,32 @@ import sys
 import tempfile
 import time
 
+# MKL's "is this an Intel CPU?" answered yes: preloaded into a PyTorch side (LD_PRELOAD), its
+# fp32 products take MKL's fast path on any x86 CPU, as lakeml's do by default (src/gemm.rs)
+# and as HF's text-embeddings-inference CPU image does.
+MKL_OVERRIDE_C = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
+
+
+def mkl_override_lib(work: pathlib.Path) -> str:
+    """Builds the MKL override as a shared library in `work` (with the system's cc) and
+    returns its path, for LD_PRELOAD."""
+    src, lib = work / "mkl_override.c", work / "libmkl_override.so"
+    if not lib.exists():
+        src.write_text(MKL_OVERRIDE_C)
+        r = run_measured(["cc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(src)])
+        if r["rc"] != 0:
+            sys.exit(f"building the MKL override library failed (a C compiler `cc` is needed):\n{r['stderr']}")
+    return str(lib)
+
+
+def gemm_peaks(bin_: str, env: dict | None = None) -> dict:
+    """`pipeline info --json`'s GEMM microbenchmark (4096x384 . 384x1536 with this process's
+    threads): GFLOP/s at fp32 (lakeml's MKL path) and bf16, GOP/s at int8, as the peaks
+    that MFU is measured against."""
+    r = run_ok([bin_, "info", "--json"], env)
+    g = json.loads(r["stdout"])["gemm"]
+    return {"fp32": g["fp32_gflops"], "bf16": g["bf16_gflops"], "int8": g["int8_gops"]}
+
 
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     """Runs cmd as a child; returns its wall time, its own peak RSS (wait4), exit code and output.
