@@ -442,11 +442,11 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, precisions: list[str
         env["LAKEML_BENCH_MKL_OVERRIDE"] = mkl_override_lib(work)
     # The model's FLOPs over these rows (real tokens, truncated at 512), and this machine's
     # GEMM peaks, for MFU.
+    peaks = gemm_peaks(args.bin, env)
     from transformers import AutoTokenizer
     texts = deltalake.DeltaTable(source).to_pyarrow_table(columns=["text"]).column("text").to_pylist()
     lengths = [len(x) for x in AutoTokenizer.from_pretrained(model)(texts, truncation=True)["input_ids"]]
     flops = model_flops(model, lengths)
-    peaks = gemm_peaks(args.bin, env)
     print(f"model FLOPs over the {rows:,} rows ({sum(lengths):,} tokens): {flops / 1e12:.2f} TFLOP; GEMM peaks "
           f"here (pipeline info): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), flush=True)
     yaml = str(root / "benches/pipelines/predict.yaml")

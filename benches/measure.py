@@ -31,9 +31,12 @@ def gemm_peaks(bin_: str, env: dict | None = None) -> dict:
     """`pipeline info --json`'s GEMM microbenchmark (4096x384 . 384x1536 with this process's
     threads): GFLOP/s at fp32 (lakeml's MKL path) and bf16, GOP/s at int8, as the peaks
     that MFU is measured against."""
-    r = run_ok([bin_, "info", "--json"], env)
-    g = json.loads(r["stdout"])["gemm"]
-    return {"fp32": g["fp32_gflops"], "bf16": g["bf16_gflops"], "int8": g["int8_gops"]}
+    peaks = {}
+    for _ in range(2):  # a peak: the better of two measurements (the machine is shared)
+        g = json.loads(run_ok([bin_, "info", "--json"], env)["stdout"])["gemm"]
+        for key, field in (("fp32", "fp32_gflops"), ("bf16", "bf16_gflops"), ("int8", "int8_gops")):
+            peaks[key] = max(peaks.get(key, 0.0), g[field])
+    return peaks
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Benchmarks against the HF stack, both sides in the same run:
 #   scripts/bench.sh tokenize [args]   lakeml tokenize vs datasets.map (benches/bench_tokenize.py)
-#   scripts/bench.sh train [args]      lakeml train vs HF Trainer (benches/bench_train.py;
-#                                      --precision fp32|bf16|both, --repeat N, --limit N, --out FILE)
-#   scripts/bench.sh predict [args]    lakeml predict vs HF pipeline and Trainer.predict
-#                                      (benches/bench_predict.py; --precision fp32|bf16|both,
-#                                      --repeats N, --rows N, --model DIR, --out FILE)
+#   scripts/bench.sh train [args]      lakeml train vs HF Trainer, and vs HF with the MKL override
+#                                      preloaded (benches/bench_train.py; --precision fp32|bf16|both,
+#                                      --repeat N, --limit N, --side, --out FILE)
+#   scripts/bench.sh predict [args]    lakeml predict (fp32, bf16, int8) vs HF pipeline,
+#                                      Trainer.predict, careful PyTorch (+ MKL override) and ONNX
+#                                      Runtime (benches/bench_predict.py; --precision
+#                                      fp32|bf16|int8|both|all, --repeats N, --rows N, --model DIR,
+#                                      --side, --out FILE)
 #   scripts/bench.sh serve [args]      pipeline serve (Flight SQL, DoExchange, 1/4/16 clients) vs
 #                                      the predict stage (benches/bench_serve.py; --precision
 #                                      fp32|bf16, --repeats N, --rows N, --model DIR, --out FILE)
