@@ -4,10 +4,15 @@
 //! The batch `predict` stage and `pipeline serve` (SQL functions and DoExchange) share this
 //! engine. A replica that finds several windows waiting merges them into one, so rows from
 //! concurrent queries are sorted by length together and packed under the same token budget;
-//! a window whose caller has gone away (a client that disconnected) is dropped unrun.
+//! a window whose caller has gone away (a client that disconnected) is dropped unrun, and
+//! one whose callers all go away mid-run stops at its next forward pass.
+//!
+//! Dropping the engine closes the queue and waits for the replicas to finish their current
+//! forward pass: a process must not exit (and tear libtorch down) under a running one.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use arrow::array::{Array, AsArray, ListArray};
 use arrow::datatypes::Int32Type;
@@ -35,9 +40,47 @@ struct Job {
 
 type Queue = Arc<Mutex<tokio::sync::mpsc::Receiver<Job>>>;
 
+/// How long dropping the engine waits for the replicas to stop.
+const STOP_WAIT: Duration = Duration::from_secs(60);
+
 /// Model replicas behind one queue.
 pub(crate) struct Engine {
     queue: Mutex<Option<tokio::sync::mpsc::Sender<Job>>>,
+    running: Running,
+}
+
+/// The number of replica threads still running, and a signal when it changes.
+#[derive(Clone, Default)]
+struct Running(Arc<(Mutex<usize>, Condvar)>);
+
+/// Counts one replica thread as running until dropped (also when the thread panics).
+struct RunningGuard(Running);
+
+impl Running {
+    fn enter(&self) -> RunningGuard {
+        if let Ok(mut n) = self.0.0.lock() {
+            *n += 1;
+        }
+        RunningGuard(self.clone())
+    }
+
+    /// Waits until no replica runs, or `limit` has passed.
+    fn wait_idle(&self, limit: Duration) {
+        let (count, changed) = &*self.0;
+        if let Ok(n) = count.lock() {
+            let _ = changed.wait_timeout_while(n, limit, |n| *n > 0);
+        }
+    }
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        let (count, changed) = &*self.0.0;
+        if let Ok(mut n) = count.lock() {
+            *n = n.saturating_sub(1);
+        }
+        changed.notify_all();
+    }
 }
 
 /// How a replica runs its forward passes.
@@ -73,16 +116,19 @@ impl Engine {
             batch_tokens: settings.batch_tokens,
             classes,
         };
+        let running = Running::default();
         let mut ready = Vec::new();
         for i in 0..replicas {
             let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
             let (rx, config, dir) = (rx.clone(), config.clone(), dir.to_path_buf());
             let precision = settings.precision;
+            let guard = running.enter();
             // The thread's own result only matters for loading, which is reported on `ready`.
             drop(thread::spawn(
                 &format!("predict-{i}"),
                 OOM_HINT,
                 move || {
+                    let _running = guard;
                     tch::set_num_threads(threads as i32);
                     let loaded =
                         thread::catch(OOM_HINT, || load(config, &dir, classes, device, precision));
@@ -108,6 +154,7 @@ impl Engine {
         }
         Ok(Self {
             queue: Mutex::new(Some(tx)),
+            running,
         })
     }
 
@@ -132,10 +179,12 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Closing the queue ends the replicas' loops.
+        // Closing the queue ends the replicas' loops once their current window is done (or
+        // abandoned: nobody is left to wait for it).
         if let Ok(mut q) = self.queue.lock() {
             q.take();
         }
+        self.running.wait_idle(STOP_WAIT);
     }
 }
 
@@ -195,7 +244,8 @@ fn serve(model: &Model, queue: &Queue, pass: Pass) {
         let mut jobs = jobs;
         if jobs.len() == 1 {
             let job = jobs.remove(0);
-            let result = thread::catch(OOM_HINT, || window_logits(model, &job.ids, pass));
+            let gone = || job.reply.is_closed();
+            let result = thread::catch(OOM_HINT, || window_logits(model, &job.ids, pass, &gone));
             let _ = job.reply.send(result);
             continue;
         }
@@ -204,7 +254,8 @@ fn serve(model: &Model, queue: &Queue, pass: Pass) {
             .map_err(|e| Error::Internal(format!("merging windows: {e}")))
             .and_then(|merged| {
                 let ids = merged.as_list::<i32>();
-                thread::catch(OOM_HINT, || window_logits(model, ids, pass))
+                let gone = || jobs.iter().all(|j| j.reply.is_closed());
+                thread::catch(OOM_HINT, || window_logits(model, ids, pass, &gone))
             });
         let mut start = 0;
         for job in jobs {
@@ -220,8 +271,14 @@ fn serve(model: &Model, queue: &Queue, pass: Pass) {
 }
 
 /// Sorts a window's rows by length (longest first) and runs them in forward passes of at
-/// most `batch_tokens` padded tokens; returns the logits in the window's row order.
-fn window_logits(model: &Model, ids: &ListArray, pass: Pass) -> Result<Vec<f32>> {
+/// most `batch_tokens` padded tokens; returns the logits in the window's row order. Stops
+/// before a pass once `gone()` says no caller waits for the answer any more.
+fn window_logits(
+    model: &Model,
+    ids: &ListArray,
+    pass: Pass,
+    gone: &dyn Fn() -> bool,
+) -> Result<Vec<f32>> {
     let _no_grad = tch::no_grad_guard();
     let offsets = ids.value_offsets();
     let values = ids.values().as_primitive::<Int32Type>().values();
@@ -232,6 +289,11 @@ fn window_logits(model: &Model, ids: &ListArray, pass: Pass) -> Result<Vec<f32>>
     let mut out = vec![0f32; rows * pass.classes];
     let mut start = 0;
     while start < rows {
+        if gone() {
+            return Err(Error::Internal(
+                "window abandoned: its callers went away".into(),
+            ));
+        }
         let longest = len(order[start]).max(1);
         let take = (pass.batch_tokens / longest).clamp(1, rows - start);
         let chunk = &order[start..start + take];

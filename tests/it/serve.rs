@@ -245,6 +245,37 @@ fn sql_predictions_equal_the_predict_stage() {
 }
 
 #[test]
+fn an_int8_model_serves_what_the_int8_predict_stage_writes() {
+    let s = setup(120);
+    s.write(
+        PREDICT,
+        &PREDICT_YAML.replace(
+            "      to: preds\n",
+            "      to: preds\n      precision: int8\n",
+        ),
+    );
+    s.run_ok(&[PREDICT]);
+    let want = predictions(&s);
+    assert_eq!(want.len(), 120);
+    s.write(
+        SERVE,
+        &serve_yaml(PREDS, "10s").replace(
+            "    sentiment: model\n",
+            "    sentiment: { path: model, precision: int8 }\n",
+        ),
+    );
+    let server = Server::start(&s, SERVE);
+    let got = query(
+        &server,
+        &AS_ALICE,
+        &["SELECT id, predict(text), predict_score(text) FROM reviews ORDER BY id"],
+    );
+    let rows = id_label_score(rows(&got, 0), 1, 2);
+    assert_same_predictions("int8 predict() over Flight SQL", &rows, &want);
+    server.stop();
+}
+
+#[test]
 fn exchange_equals_the_predict_stage_and_keeps_order() {
     let s = setup_predicted(300);
     let want = predictions(&s);
