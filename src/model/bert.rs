@@ -227,6 +227,11 @@ struct Encoder {
 }
 
 impl Encoder {
+    /// Every layer's products in int8 (see [`Classifier::quantize_int8`]).
+    fn quantize_int8(&mut self) {
+        self.layers.iter_mut().for_each(Layer::quantize_int8);
+    }
+
     fn new(p: &nn::Path, c: &Config, roberta: bool) -> Result<Self> {
         c.check()?;
         Ok(Self {
@@ -288,10 +293,7 @@ impl Classifier for BertClassifier {
     }
 
     fn quantize_int8(&mut self) {
-        self.encoder
-            .layers
-            .iter_mut()
-            .for_each(Layer::quantize_int8);
+        self.encoder.quantize_int8();
     }
 }
 
@@ -325,10 +327,7 @@ impl Classifier for RobertaClassifier {
     }
 
     fn quantize_int8(&mut self) {
-        self.encoder
-            .layers
-            .iter_mut()
-            .for_each(Layer::quantize_int8);
+        self.encoder.quantize_int8();
     }
 }
 
@@ -338,21 +337,18 @@ mod tests {
     use tch::{Device, Tensor};
 
     use super::{BertClassifier, Classifier, Config, attention_bias};
-    use crate::model::tests::{assert_same_gradients, fixture, golden};
+    use crate::model::tests::{assert_same_gradients, fixture_config};
 
     #[test]
     fn the_cls_only_last_layer_trains_with_the_full_layers_gradients() {
-        let dir = fixture("models/bert");
-        let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
-        let mut c: Config = serde_json::from_str(&text).expect("a BERT config");
+        let (dir, mut c, ids, mask): (_, Config, _, _) = fixture_config("bert");
+        let (ids, mask) = (&ids, &mask);
         c.hidden_dropout_prob = 0.0;
         c.attention_probs_dropout_prob = 0.0;
         c.classifier_dropout = Some(0.0);
         let vs = nn::VarStore::new(Device::Cpu);
         let net = BertClassifier::new(&vs.root(), &c, 3).expect("build");
         crate::model::weights::load(&vs, &dir, "bert").expect("weights");
-        let g = golden(dir.join("golden.safetensors"));
-        let (ids, mask) = (&g["input_ids"], &g["attention_mask"]);
         let full = || -> Tensor {
             let e = &net.encoder;
             let mut x = e.embeddings.forward_t(ids, true);

@@ -231,21 +231,18 @@ mod tests {
     use tch::{Device, Kind, Tensor};
 
     use super::{Classifier, Config, DistilBertClassifier, attention_bias};
-    use crate::model::tests::{assert_same_gradients, fixture, golden};
+    use crate::model::tests::{assert_same_gradients, fixture_config};
 
     #[test]
     fn the_cls_only_last_block_trains_with_the_full_blocks_gradients() {
-        let dir = fixture("models/distilbert");
-        let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
-        let mut c: Config = serde_json::from_str(&text).expect("a DistilBERT config");
+        let (dir, mut c, ids, mask): (_, Config, _, _) = fixture_config("distilbert");
+        let (ids, mask) = (&ids, &mask);
         c.dropout = 0.0;
         c.attention_dropout = 0.0;
         c.seq_classif_dropout = 0.0;
         let vs = nn::VarStore::new(Device::Cpu);
         let net = DistilBertClassifier::new(&vs.root(), &c, 3).expect("build");
         crate::model::weights::load(&vs, &dir, "distilbert").expect("weights");
-        let g = golden(dir.join("golden.safetensors"));
-        let (ids, mask) = (&g["input_ids"], &g["attention_mask"]);
         let full = || -> Tensor {
             let t = ids.size()[1];
             let positions = Tensor::arange(t, (Kind::Int64, Device::Cpu)).unsqueeze(0);

@@ -130,34 +130,36 @@ mod tests {
         (vs, Linear::new(inner))
     }
 
+    /// The output of a seeded `[input -> output]` layer on Gaussian `[batch, rows, input]`
+    /// inputs after `switch`, and its relative error (Frobenius) against the fp32 output.
+    fn switched(shape: [i64; 3], output: i64, switch: impl FnOnce(&mut Linear)) -> (Tensor, f64) {
+        let (_vs, mut l) = layer(shape[2], output);
+        let x = Tensor::randn(shape, (Kind::Float, Device::Cpu));
+        let exact = tch::no_grad(|| l.forward(&x));
+        switch(&mut l);
+        let approx = tch::no_grad(|| l.forward(&x));
+        let rel = f64::try_from((&approx - &exact).norm() / exact.norm()).expect("scalar");
+        (approx, rel)
+    }
+
     #[test]
     fn int8_products_stay_within_the_quantization_error_of_fp32() {
-        let (_vs, mut l) = layer(384, 1536);
-        let x = Tensor::randn([3, 17, 384], (Kind::Float, Device::Cpu));
-        let exact = tch::no_grad(|| l.forward(&x));
-        l.quantize();
-        let approx = tch::no_grad(|| l.forward(&x));
+        let (approx, rel) = switched([3, 17, 384], 1536, Linear::quantize);
         assert_eq!(approx.size(), [3, 17, 1536]);
         assert_eq!(approx.kind(), Kind::Float);
         // Relative error of the whole product: int8 with per-channel and per-token scales
         // keeps it near 1% for Gaussian inputs; 2% leaves room, and anything broken
         // (a wrong scale axis, a missing bias, a transposed weight) is far above it.
-        let rel = f64::try_from((&approx - &exact).norm() / exact.norm()).expect("scalar");
         assert!(rel < 0.02, "relative error {rel}");
         assert!(rel > 0.0, "the int8 path was not taken");
     }
 
     #[test]
     fn bf16_products_stay_within_bf16_rounding_of_fp32() {
-        let (_vs, mut l) = layer(1536, 384);
-        let x = Tensor::randn([2, 9, 1536], (Kind::Float, Device::Cpu));
-        let exact = tch::no_grad(|| l.forward(&x));
-        l.use_bf16();
-        let approx = tch::no_grad(|| l.forward(&x));
+        let (approx, rel) = switched([2, 9, 1536], 384, Linear::use_bf16);
         assert_eq!(approx.size(), [2, 9, 384]);
         assert_eq!(approx.kind(), Kind::Float);
         // bf16 keeps 8 significant bits of each input: about 0.4% relative error.
-        let rel = f64::try_from((&approx - &exact).norm() / exact.norm()).expect("scalar");
         assert!(rel < 0.01 && rel > 0.0, "relative error {rel}");
     }
 

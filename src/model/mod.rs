@@ -247,8 +247,5 @@ pub(crate) fn attention(
 /// rather than with the fused SDPA kernel (measured on CPU: the fused kernel wins beyond
 /// about 64 keys in fp32; in bf16 the products still win at 256).
 fn short_attention(kind: tch::Kind) -> i64 {
-    match kind {
-        tch::Kind::BFloat16 | tch::Kind::Half => 256,
-        _ => 64,
-    }
+    if kind == tch::Kind::BFloat16 { 256 } else { 64 }
 }

@@ -11,13 +11,13 @@ use crate::error::Error;
 /// Tolerance on logits against transformers (fp32, CPU).
 const TOLERANCE: f64 = 1e-4;
 
-pub(super) fn fixture(name: &str) -> PathBuf {
+fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
 }
 
-pub(super) fn golden(path: PathBuf) -> std::collections::HashMap<String, Tensor> {
+fn golden(path: PathBuf) -> std::collections::HashMap<String, Tensor> {
     Tensor::read_safetensors(&path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .into_iter()
@@ -31,6 +31,24 @@ fn load(dir: &std::path::Path, num_labels: i64, device: Device) -> crate::error:
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
+}
+
+/// The architecture config (as `C`) of the fixture `models/{name}`, its directory, and its
+/// golden inputs (input ids, attention mask).
+pub(super) fn fixture_config<C: serde::de::DeserializeOwned>(
+    name: &str,
+) -> (PathBuf, C, Tensor, Tensor) {
+    let dir = fixture(&format!("models/{name}"));
+    let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
+    let config = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name} config: {e}"));
+    let mut g = golden(dir.join("golden.safetensors"));
+    let (ids, mask) = (g.remove("input_ids"), g.remove("attention_mask"));
+    (
+        dir,
+        config,
+        ids.expect("input_ids"),
+        mask.expect("attention_mask"),
+    )
 }
 
 /// Asserts that `short` (the classifier's own training forward) and `full` (the same network

@@ -225,6 +225,11 @@ struct Encoder {
 }
 
 impl Encoder {
+    /// Every layer's products in int8 (see [`Classifier::quantize_int8`]).
+    fn quantize_int8(&mut self) {
+        self.layers.iter_mut().for_each(Layer::quantize_int8);
+    }
+
     fn new(p: nn::Path, cfg: &Config, s: &Settings) -> Self {
         let layer = &p / "layer";
         Encoder {
@@ -332,10 +337,7 @@ impl Classifier for DebertaV2ForSequenceClassification {
     }
 
     fn quantize_int8(&mut self) {
-        self.encoder
-            .layers
-            .iter_mut()
-            .for_each(Layer::quantize_int8);
+        self.encoder.quantize_int8();
     }
 }
 
