@@ -111,12 +111,13 @@ def sorted_batches(tok, texts: list[str]):
 
 
 def careful_child(kind: str, texts: list[str], model: str, precision: str, threads: int):
-    """PyTorch by hand (`torch`) or ONNX Runtime (`ort`) over sorted batches; (logits, extra)."""
+    """PyTorch by hand (`torch`) or ONNX Runtime (`ort`) over sorted batches; returns the logits in
+    table order, the seconds the forward passes took, and facts about the side."""
     import numpy as np
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    logits = np.zeros((len(texts), 0), dtype=np.float32)
+    rows_out = [None] * len(texts)  # each row's logits, in table order
     if kind == "ort":
         import onnxruntime as ort
 
@@ -131,10 +132,9 @@ def careful_child(kind: str, texts: list[str], model: str, precision: str, threa
         for rows, b in sorted_batches(tok, texts):
             out = session.run(None, {"input_ids": b["input_ids"].astype(np.int64),
                                      "attention_mask": b["attention_mask"].astype(np.int64)})[0]
-            if logits.shape[1] == 0:
-                logits = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
-            logits[rows] = out
-        return logits, time.perf_counter() - t0, {"onnxruntime": ort.__version__}
+            for r, row in zip(rows, out):
+                rows_out[r] = row
+        return np.stack(rows_out), time.perf_counter() - t0, {"onnxruntime": ort.__version__}
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -144,10 +144,9 @@ def careful_child(kind: str, texts: list[str], model: str, precision: str, threa
         for rows, b in sorted_batches(tok, texts):
             out = net(input_ids=torch.from_numpy(b["input_ids"]).long(),
                       attention_mask=torch.from_numpy(b["attention_mask"]).long()).logits.float().numpy()
-            if logits.shape[1] == 0:
-                logits = np.zeros((len(texts), out.shape[1]), dtype=np.float32)
-            logits[rows] = out
-    return logits, time.perf_counter() - t0, {"mkl_override": "LD_PRELOAD" in os.environ}
+            for r, row in zip(rows, out):
+                rows_out[r] = row
+    return np.stack(rows_out), time.perf_counter() - t0, {"mkl_override": "LD_PRELOAD" in os.environ}
 
 
 def export_onnx(model: str, out: str) -> None:

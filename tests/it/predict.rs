@@ -70,6 +70,19 @@ fn one_row_per_id(table: &serde_json::Value, n: u64) {
     assert_eq!(distinct, (1..=n).collect::<HashSet<u64>>());
 }
 
+/// tests/py/check_predictions.py on `lake/preds` (which must keep `text` and `logits`):
+/// transformers in fp32 on the same `model/` and rows, cut at `max_length` tokens.
+fn check_against_transformers(s: &Scratch, max_length: usize) -> serde_json::Value {
+    python(
+        "check_predictions.py",
+        &[
+            s.path().join("lake/preds").to_str().expect("utf-8 path"),
+            s.path().join("model").to_str().expect("utf-8 path"),
+            &max_length.to_string(),
+        ],
+    )
+}
+
 #[test]
 fn predictions_equal_transformers_and_read_back_in_deltalake_and_spark() {
     let s = setup(
@@ -81,14 +94,7 @@ fn predictions_equal_transformers_and_read_back_in_deltalake_and_spark() {
     assert_eq!(reports[0]["rows_out"], 300);
 
     // Tolerance: 1e-4 on logits and probabilities (fp32 on both sides).
-    let check = python(
-        "check_predictions.py",
-        &[
-            s.path().join("lake/preds").to_str().expect("utf-8 path"),
-            s.path().join("model").to_str().expect("utf-8 path"),
-            "128",
-        ],
-    );
+    let check = check_against_transformers(&s, 128);
     assert_eq!(check["rows"], 300);
     assert_eq!(check["distinct_ids"], 300);
     assert!(
@@ -394,14 +400,7 @@ fn int8_predictions_stay_close_to_transformers_fp32_and_training_refuses_int8() 
     // a few hidden channels far larger than the rest); 0.5 leaves room. The arithmetic
     // itself is checked tightly in `model::linear`'s unit tests, and label agreement on
     // the fine-tuned demo model by `scripts/bench.sh predict`.
-    let check = python(
-        "check_predictions.py",
-        &[
-            s.path().join("lake/preds").to_str().expect("utf-8 path"),
-            s.path().join("model").to_str().expect("utf-8 path"),
-            "128",
-        ],
-    );
+    let check = check_against_transformers(&s, 128);
     assert_eq!(check["rows"], 300, "{check}");
     assert_eq!(check["consistent"], 300, "{check}");
     let diff = check["max_logit_diff"].as_f64().expect("diff");
