@@ -21,6 +21,7 @@ mod delta;
 mod error;
 mod fingerprint;
 mod gemm;
+mod jobs;
 mod model;
 mod plan;
 mod predict;
@@ -35,6 +36,7 @@ mod train;
 
 pub use error::{Error, Result};
 pub use gemm::{GemmInfo, mkl_cpu_check, set_mkl_override};
+pub use jobs::{JobOverview, RunRecord, RunState, TriggerOutcome, WatchedTable, format_runs};
 pub use plan::Pipeline;
 pub use report::StageReport;
 pub use runtime::RuntimeInfo;

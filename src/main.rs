@@ -46,6 +46,10 @@ enum Command {
         /// No progress bars (reports are still printed).
         #[arg(long, short)]
         quiet: bool,
+        /// Run only this stage (repeat for several; they run in file order). The others
+        /// are still validated.
+        #[arg(long = "stage", value_name = "NAME")]
+        stages: Vec<String>,
     },
     /// Check a pipeline file (keys, files, tables, columns, types) without running it.
     Validate {
@@ -67,6 +71,40 @@ enum Command {
         /// Listen here instead of `serve.listen` (host:port; port 0 picks a free one).
         #[arg(long)]
         listen: Option<String>,
+    },
+    /// Run the file's `jobs` when their triggers fire (cron, interval, new table data),
+    /// recording every run in the run history, until SIGTERM or SIGINT.
+    Schedule {
+        /// The pipeline file (YAML) with a `jobs:` section.
+        file: PathBuf,
+    },
+    /// Show each job: its triggers, next 5 fire times and last run.
+    Jobs {
+        file: PathBuf,
+        /// One JSON object per job, one per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the run history, newest first: each attempt in its latest state.
+    Runs {
+        file: PathBuf,
+        /// Only this job's runs.
+        #[arg(long)]
+        job: Option<String>,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// One JSON object per attempt, one per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run one job now, in the foreground, recorded as a manual run. Exit 0 when it
+    /// succeeded, 1 when it failed (for Airflow, Dagster or cron to call).
+    Trigger {
+        file: PathBuf,
+        job: String,
+        /// Print the run's history row as JSON on stdout.
+        #[arg(long)]
+        json: bool,
     },
     /// Read a password on stdin and print its argon2 hash, for a `serve` users file.
     HashPassword,
@@ -119,9 +157,13 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             force,
             json,
             quiet,
+            stages,
         } => {
             let pipeline = Pipeline::load(&file)?;
-            let options = RunOptions::new().with_force(force).with_progress(!quiet);
+            let options = RunOptions::new()
+                .with_force(force)
+                .with_progress(!quiet)
+                .with_stages(stages);
             let reports = runtime.block_on(pipeline.run(&options))?;
             for report in &reports {
                 if json {
@@ -159,6 +201,67 @@ fn run(cli: Cli) -> lakeml::Result<()> {
         Command::Serve { file, listen } => {
             let pipeline = Pipeline::load(&file)?;
             runtime.block_on(pipeline.serve(&ServeOptions::new().with_listen(listen)))
+        }
+        Command::Schedule { file } => {
+            let pipeline = Pipeline::load(&file)?;
+            runtime.block_on(pipeline.schedule())
+        }
+        Command::Jobs { file, json } => {
+            let pipeline = Pipeline::load(&file)?;
+            for job in runtime.block_on(pipeline.jobs_overview())? {
+                if json {
+                    println!("{}", serde_json::to_string(&job).unwrap_or_default());
+                } else {
+                    println!("{job}");
+                }
+            }
+            Ok(())
+        }
+        Command::Runs {
+            file,
+            job,
+            limit,
+            json,
+        } => {
+            let pipeline = Pipeline::load(&file)?;
+            let runs = runtime.block_on(pipeline.runs(job.as_deref(), limit))?;
+            if json {
+                for run in &runs {
+                    println!("{}", serde_json::to_string(run).unwrap_or_default());
+                }
+            } else {
+                print!("{}", lakeml::format_runs(&runs));
+            }
+            Ok(())
+        }
+        Command::Trigger { file, job, json } => {
+            let pipeline = Pipeline::load(&file)?;
+            let outcome = runtime.block_on(pipeline.trigger(&job))?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&outcome.run).unwrap_or_default()
+                );
+            } else {
+                print!(
+                    "{}",
+                    lakeml::format_runs(std::slice::from_ref(&outcome.run))
+                );
+            }
+            if outcome.succeeded() {
+                Ok(())
+            } else {
+                Err(lakeml::Error::Data(format!(
+                    "job `{job}` {}: {}",
+                    outcome.run.state.as_str(),
+                    outcome
+                        .run
+                        .error
+                        .as_deref()
+                        .or(outcome.run.reason.as_deref())
+                        .unwrap_or("see the run history")
+                )))
+            }
         }
         Command::HashPassword => {
             let mut password = String::new();

@@ -4,6 +4,7 @@
 //! before any work starts.
 
 mod interpolate;
+mod jobs;
 mod serve;
 mod stages;
 mod suggest;
@@ -14,6 +15,9 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+pub(crate) use jobs::{
+    Catchup, JobSpec, OptimizeSpec, Overlap, SchedulerSpec, VacuumSpec, WaitFor,
+};
 pub(crate) use serve::{AuthSpec, ServeSpec, parse_duration};
 use stages::default_device;
 pub(crate) use stages::{
@@ -36,6 +40,11 @@ pub(crate) struct PipelineFile {
     pub stages: Vec<StageSpec>,
     /// `pipeline serve`: the tables and models over Flight SQL.
     pub serve: Option<ServeSpec>,
+    /// `pipeline schedule`: jobs (stages with triggers), by name.
+    #[serde(default)]
+    pub jobs: BTreeMap<String, JobSpec>,
+    /// `pipeline schedule`: the run history table, poll interval and shutdown grace.
+    pub scheduler: Option<SchedulerSpec>,
 }
 
 /// One table: exactly one of `delta`, `parquet`, `csv`, `json` gives its kind and path.
@@ -79,6 +88,8 @@ pub(crate) struct StageSpec {
     pub tokenize: Option<TokenizeSpec>,
     pub train: Option<Box<TrainSpec>>,
     pub predict: Option<Box<PredictSpec>>,
+    pub optimize: Option<OptimizeSpec>,
+    pub vacuum: Option<VacuumSpec>,
 }
 
 /// A stage by kind, once checked that exactly one kind is given.
@@ -87,18 +98,26 @@ pub(crate) enum StageKind {
     Tokenize(TokenizeSpec),
     Train(Box<TrainSpec>),
     Predict(Box<PredictSpec>),
+    Optimize(OptimizeSpec),
+    Vacuum(VacuumSpec),
 }
 
 impl StageSpec {
     pub(crate) fn kind(self) -> Result<StageKind, String> {
-        match (self.write, self.tokenize, self.train, self.predict) {
-            (Some(w), None, None, None) => Ok(StageKind::Write(w)),
-            (None, Some(t), None, None) => Ok(StageKind::Tokenize(t)),
-            (None, None, Some(t), None) => Ok(StageKind::Train(t)),
-            (None, None, None, Some(p)) => Ok(StageKind::Predict(p)),
+        let kinds = [
+            self.write.map(StageKind::Write),
+            self.tokenize.map(StageKind::Tokenize),
+            self.train.map(StageKind::Train),
+            self.predict.map(StageKind::Predict),
+            self.optimize.map(StageKind::Optimize),
+            self.vacuum.map(StageKind::Vacuum),
+        ];
+        let mut given = kinds.into_iter().flatten();
+        match (given.next(), given.next()) {
+            (Some(kind), None) => Ok(kind),
             _ => Err(
                 "a stage is a map with exactly one key, its kind: `write`, `tokenize`, \
-                 `train` or `predict`"
+                 `train`, `predict`, `optimize` or `vacuum`"
                     .into(),
             ),
         }

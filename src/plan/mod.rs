@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod checks;
+mod jobs;
 mod predict;
 mod tables;
 mod train;
@@ -19,6 +20,9 @@ use crate::error::{Error, Result};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
 pub(crate) use checks::is_string;
 use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
+pub(crate) use jobs::{
+    DEFAULT_HISTORY, Job, Retries, SchedulerSettings, Timing, human, plan_jobs, plan_scheduler,
+};
 pub(crate) use predict::{Inference, PredictStage, inference_settings, model_labels};
 use tables::table_def;
 pub(crate) use train::{TrainStage, id_column as train_id_column};
@@ -34,6 +38,10 @@ pub struct Pipeline {
     pub(crate) base: PathBuf,
     /// The `serve:` section as written; `pipeline serve` validates it.
     pub(crate) serve: Option<crate::config::ServeSpec>,
+    /// `jobs:`, checked against the stages and tables.
+    pub(crate) jobs: Vec<Job>,
+    /// `scheduler:` (with the run history table); present when the file has jobs.
+    pub(crate) scheduler: Option<SchedulerSettings>,
 }
 
 #[derive(Debug)]
@@ -42,7 +50,33 @@ pub(crate) enum Stage {
     Tokenize(TokenizeStage),
     Train(Box<TrainStage>),
     Predict(Box<PredictStage>),
+    Optimize(OptimizeStage),
+    Vacuum(VacuumStage),
 }
+
+/// `optimize`: compacts a Delta table's small files.
+#[derive(Debug)]
+pub(crate) struct OptimizeStage {
+    pub name: String,
+    pub field: String,
+    pub table: String,
+    pub target_file_bytes: u64,
+    pub zorder: Vec<String>,
+}
+
+/// `vacuum`: deletes files no version within the retention needs.
+#[derive(Debug)]
+pub(crate) struct VacuumStage {
+    pub name: String,
+    pub field: String,
+    pub table: String,
+    pub retention: std::time::Duration,
+    /// False only with `allow_short_retention` (and a retention under 7 days).
+    pub enforce_retention: bool,
+}
+
+/// Vacuum keeps at least this much history unless told otherwise (Delta's own default).
+const MIN_RETENTION: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
 
 /// SQL a stage reads, and where it came from (for error messages).
 #[derive(Debug, Clone)]
@@ -81,6 +115,8 @@ impl Stage {
             Stage::Tokenize(s) => &s.name,
             Stage::Train(s) => &s.name,
             Stage::Predict(s) => &s.name,
+            Stage::Optimize(s) => &s.name,
+            Stage::Vacuum(s) => &s.name,
         }
     }
 
@@ -89,8 +125,17 @@ impl Stage {
         match self {
             Stage::Write(s) => Some(&s.to),
             Stage::Tokenize(s) => Some(&s.to),
-            Stage::Train(_) => None,
+            Stage::Train(_) | Stage::Optimize(_) | Stage::Vacuum(_) => None,
             Stage::Predict(s) => Some(&s.to),
+        }
+    }
+
+    /// The table an `optimize` or `vacuum` stage maintains in place.
+    pub(crate) fn maintains(&self) -> Option<&str> {
+        match self {
+            Stage::Optimize(s) => Some(&s.table),
+            Stage::Vacuum(s) => Some(&s.table),
+            _ => None,
         }
     }
 }
@@ -237,6 +282,48 @@ impl Pipeline {
                     output_table(&tables, &stage.to, &stage.field).map_err(err)?;
                     Stage::Predict(Box::new(stage))
                 }
+                StageKind::Optimize(o) => {
+                    let field = format!("stages[{i}].optimize");
+                    maintained_table(&tables, &o.table, &field).map_err(err)?;
+                    let mb = o.target_file_mb.unwrap_or(64);
+                    if mb == 0 || mb > 1 << 20 {
+                        return Err(err(format!(
+                            "{field}.target_file_mb: {mb} is out of range; use 1..=1048576"
+                        )));
+                    }
+                    Stage::Optimize(OptimizeStage {
+                        name: o.name.unwrap_or_else(|| format!("optimize-{}", o.table)),
+                        field,
+                        table: o.table,
+                        target_file_bytes: mb << 20,
+                        zorder: o.zorder,
+                    })
+                }
+                StageKind::Vacuum(v) => {
+                    let field = format!("stages[{i}].vacuum");
+                    maintained_table(&tables, &v.table, &field).map_err(err)?;
+                    let retention = match &v.retention {
+                        Some(text) => crate::config::parse_duration(text)
+                            .map_err(|m| err(format!("{field}.retention: {m}")))?,
+                        None => MIN_RETENTION,
+                    };
+                    if retention < MIN_RETENTION && !v.allow_short_retention {
+                        return Err(err(format!(
+                            "{field}.retention: `{}` is less than 7 days, so readers of older \
+                             versions and writers still committing could lose files; set \
+                             `allow_short_retention: true` if no one reads or writes that far \
+                             back",
+                            v.retention.as_deref().unwrap_or_default()
+                        )));
+                    }
+                    Stage::Vacuum(VacuumStage {
+                        name: v.name.unwrap_or_else(|| format!("vacuum-{}", v.table)),
+                        field,
+                        table: v.table,
+                        retention,
+                        enforce_retention: retention >= MIN_RETENTION,
+                    })
+                }
             };
             if !names.insert(stage.name().to_string()) {
                 return Err(err(format!(
@@ -246,7 +333,7 @@ impl Pipeline {
             }
             stages.push(stage);
         }
-        if stages.is_empty() && spec.serve.is_none() {
+        if stages.is_empty() && spec.serve.is_none() && spec.jobs.is_empty() {
             return Err(err(
                 "`stages` is empty; add at least one stage (or a `serve` section)".into(),
             ));
@@ -262,6 +349,9 @@ impl Pipeline {
                 )));
             }
         }
+        let scheduler = plan_scheduler(spec.scheduler, &base, &mut tables, !spec.jobs.is_empty())
+            .map_err(err)?;
+        let jobs = plan_jobs(spec.jobs, &stages, &tables).map_err(err)?;
         Ok(Self {
             file,
             name: spec.name,
@@ -269,6 +359,8 @@ impl Pipeline {
             stages,
             base,
             serve: spec.serve,
+            jobs,
+            scheduler,
         })
     }
 
@@ -340,6 +432,29 @@ impl Pipeline {
                     self.check_predict_target(p, &out).await.map_err(err)?;
                     catalog::register_planned(ctx, &p.to, out)?;
                 }
+                Stage::Optimize(o) => {
+                    if !o.zorder.is_empty() {
+                        let schema = plan_schema(
+                            ctx,
+                            &Query {
+                                sql: format!("SELECT * FROM \"{}\"", o.table.replace('"', "\"\"")),
+                                origin: o.field.clone(),
+                            },
+                            &self.tables,
+                        )
+                        .await
+                        .map_err(err)?;
+                        if let Some(c) =
+                            o.zorder.iter().find(|c| schema.field_with_name(c).is_err())
+                        {
+                            return Err(err(format!(
+                                "{}.zorder: table `{}` has no column `{c}`",
+                                o.field, o.table
+                            )));
+                        }
+                    }
+                }
+                Stage::Vacuum(_) => {}
             }
         }
         Ok(())
@@ -419,6 +534,27 @@ pub(super) fn query(base: &Path, s: &Source, field: &str) -> Result<Query, Strin
         }
         _ => Err(format!(
             "{field}: give exactly one of `from` (a table), `sql` or `sql_file`"
+        )),
+    }
+}
+
+/// The table of an `optimize` or `vacuum` stage: a declared, unpinned Delta table.
+fn maintained_table(
+    tables: &BTreeMap<String, TableDef>,
+    name: &str,
+    field: &str,
+) -> Result<(), String> {
+    match tables.get(name) {
+        None => Err(format!(
+            "{field}.table: table `{name}` is not declared under `tables` (declared: {})",
+            tables.keys().cloned().collect::<Vec<_>>().join(", ")
+        )),
+        Some(TableDef {
+            kind: TableKind::Delta { at: None },
+            ..
+        }) => Ok(()),
+        Some(_) => Err(format!(
+            "{field}.table: table `{name}` must be a Delta table that is not pinned to a version"
         )),
     }
 }

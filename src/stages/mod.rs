@@ -1,5 +1,6 @@
 //! Runs a validated pipeline: one SQL session, stages in order, a report per stage.
 
+mod maintain;
 mod predict;
 mod tokenize;
 mod train;
@@ -30,6 +31,8 @@ use crate::report::StageReport;
 pub struct RunOptions {
     pub(crate) force: bool,
     pub(crate) progress: bool,
+    /// Run only these stages (by name); `None`: all.
+    pub(crate) only: Option<Vec<String>>,
 }
 
 impl RunOptions {
@@ -39,6 +42,11 @@ impl RunOptions {
     /// Rerun stages even when their output is up to date.
     pub fn with_force(mut self, force: bool) -> Self {
         self.force = force;
+        self
+    }
+    /// Run only the stages named here, in file order (others are validated, not run).
+    pub fn with_stages(mut self, names: Vec<String>) -> Self {
+        self.only = (!names.is_empty()).then_some(names);
         self
     }
     /// Show progress bars on stderr (hidden anyway when stderr is not a terminal).
@@ -176,6 +184,20 @@ impl Pipeline {
                  file's tables with `pipeline serve`",
             ));
         }
+        if let Some(only) = &options.only
+            && let Some(unknown) = only
+                .iter()
+                .find(|n| !self.stages.iter().any(|s| s.name() == n.as_str()))
+        {
+            let names: Vec<&str> = self.stages.iter().map(Stage::name).collect();
+            return Err(Error::config(
+                &self.file,
+                format!(
+                    "--stage {unknown}: no stage has that name (stages: {})",
+                    names.join(", ")
+                ),
+            ));
+        }
         // Tables are registered once; validation then runs in the same session.
         let ctx = catalog::session();
         let identities = self.register_tables(&ctx).await?;
@@ -199,16 +221,24 @@ impl Pipeline {
             }
         }
         let mut reports = Vec::new();
-        for stage in &self.stages {
+        let selected = self.stages.iter().filter(|s| {
+            options
+                .only
+                .as_ref()
+                .is_none_or(|only| only.iter().any(|n| n == s.name()))
+        });
+        for stage in selected {
             let started = Instant::now();
             let mut report = match stage {
                 Stage::Write(w) => write::run(&run, w).await?,
                 Stage::Tokenize(t) => tokenize::run(&run, t).await?,
                 Stage::Train(t) => train::run(&run, t).await?,
                 Stage::Predict(p) => predict::run(&run, p).await?,
+                Stage::Optimize(o) => maintain::optimize(&run, o).await?,
+                Stage::Vacuum(v) => maintain::vacuum(&run, v).await?,
             };
             report.seconds = started.elapsed().as_secs_f64();
-            if let Some(table) = stage.to() {
+            if let Some(table) = stage.to().or(stage.maintains()) {
                 run.refresh(table).await?;
             }
             reports.push(report);

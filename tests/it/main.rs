@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod jobs;
 mod layers;
 mod mlflow;
 #[path = "../support/mlflow_server.rs"]
