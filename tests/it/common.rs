@@ -158,15 +158,20 @@ pub fn make_model_with(s: &Scratch, name: &str, labels: &str, seed: u32) {
 
 /// Runs [`INGEST`] in the scratch directory with `rows` reviews.
 pub fn ingest(s: &Scratch, rows: usize) {
+    run_quiet(s, INGEST, &[("ROWS", rows.to_string())]);
+}
+
+/// `pipeline run -q FILE` in the scratch directory with `env` set; it must succeed.
+pub fn run_quiet(s: &Scratch, file: &str, env: &[(&str, String)]) {
     let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
-        .args(["run", "-q", INGEST])
-        .env("ROWS", rows.to_string())
+        .args(["run", "-q", file])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .current_dir(s.path())
         .output()
-        .expect("run ingest");
+        .expect("run pipeline");
     assert!(
         out.status.success(),
-        "{}",
+        "{file}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

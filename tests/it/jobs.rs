@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, python};
+use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, python, run_quiet};
 
 /// `pipeline schedule FILE` in the background, its stderr (the decision log) in a file.
 struct Scheduler {
@@ -159,17 +159,10 @@ fn more_yaml() -> String {
 }
 
 fn append_reviews(s: &Scratch, skip: usize, rows: usize) {
-    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
-        .args(["run", "-q", MORE])
-        .env("ROWS", rows.to_string())
-        .env("SKIP", skip.to_string())
-        .current_dir(s.path())
-        .output()
-        .expect("run more");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_quiet(
+        s,
+        MORE,
+        &[("ROWS", rows.to_string()), ("SKIP", skip.to_string())],
     );
 }
 
