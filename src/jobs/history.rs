@@ -384,11 +384,16 @@ impl History {
         Ok(Claim::Taken)
     }
 
-    /// The newest tick (ms) claimed for a job's trigger kind, by any process.
-    pub(crate) async fn last_tick(&self, job: &str, trigger: &str) -> Result<Option<i64>> {
-        let table = self.open().await?;
+    /// The newest tick (ms) claimed for a job's trigger kind in `table` (the history as
+    /// [`History::open`] returned it), by any process.
+    pub(crate) async fn last_tick(
+        &self,
+        table: &DeltaTable,
+        job: &str,
+        trigger: &str,
+    ) -> Result<Option<i64>> {
         Ok(
-            delta::txn_version(&table, &app_id(&self.pipeline, job, trigger))
+            delta::txn_version(table, &app_id(&self.pipeline, job, trigger))
                 .await?
                 .map(claimed_tick),
         )

@@ -122,7 +122,7 @@ impl Pipeline {
             def: settings.history.clone(),
             pipeline: self.name.clone(),
         };
-        history.open().await?;
+        let table = history.open().await?;
         let now = Utc::now();
         let attempts = history.attempts().await?;
 
@@ -132,7 +132,7 @@ impl Pipeline {
         for job in &self.jobs {
             let mut cursors = Vec::new();
             for t in &job.timings {
-                let last = history.last_tick(&job.name, t.kind()).await?;
+                let last = history.last_tick(&table, &job.name, t.kind()).await?;
                 cursors.push(
                     last.and_then(DateTime::from_timestamp_millis)
                         .unwrap_or(now),
@@ -152,7 +152,10 @@ impl Pipeline {
                 }
             }
             // A job never run starts from the data as it is now: new data fires it.
-            let watch_cursor = match history.last_tick(&job.name, "table_updated").await? {
+            let watch_cursor = match history
+                .last_tick(&table, &job.name, "table_updated")
+                .await?
+            {
                 Some(tick) => tick,
                 None => indexes
                     .iter()

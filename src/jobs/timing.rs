@@ -1,5 +1,6 @@
-//! When time triggers fire: cron and interval ticks, catch-up after downtime, retry
-//! back-off. Pure functions of the times given, so tests run against any clock.
+//! When time triggers fire: catch-up after downtime and retry back-off over the ticks of
+//! [`Timing`] (parsed in `plan::jobs`). Pure functions of the times given, so tests run
+//! against any clock.
 //!
 //! DST, as croner implements it (Vixie cron): a fixed time that a spring-forward skips runs
 //! at the first valid minute after the gap, the same day; a fixed time in a repeated
