@@ -9,8 +9,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, Linear, activation, attention, attention_bias, embedding, layer_norm, linear,
-    queries,
+    Classifier, FeedForward, Fused, Linear, activation, attention, attention_bias, embedding,
+    layer_norm, linear, queries,
 };
 use crate::error::{Error, Result};
 
@@ -154,10 +154,14 @@ struct Layer {
     query: Linear,
     key: Linear,
     value: Linear,
+    /// int8 inference: query, key and value as one product.
+    qkv: Option<Fused<3>>,
     attn_out: Linear,
     attn_norm: nn::LayerNorm,
     intermediate: Linear,
     output: Linear,
+    /// int8 inference with exact GELU: the feed-forward block's products and the GELU fused.
+    ffn: Option<FeedForward>,
     out_norm: nn::LayerNorm,
     heads: i64,
     act: String,
@@ -173,10 +177,12 @@ impl Layer {
             query: linear(&attn / "self" / "query", h, h, std),
             key: linear(&attn / "self" / "key", h, h, std),
             value: linear(&attn / "self" / "value", h, h, std),
+            qkv: None,
             attn_out: linear(&attn / "output" / "dense", h, h, std),
             attn_norm: layer_norm(&attn / "output" / "LayerNorm", h, c.layer_norm_eps),
             intermediate: linear(&p / "intermediate" / "dense", h, c.intermediate_size, std),
             output: linear(&p / "output" / "dense", c.intermediate_size, h, std),
+            ffn: None,
             out_norm: layer_norm(&p / "output" / "LayerNorm", h, c.layer_norm_eps),
             heads: c.num_attention_heads,
             act: c.hidden_act.clone(),
@@ -185,38 +191,56 @@ impl Layer {
         }
     }
 
-    /// int8 products, but bf16 for the feed-forward down-projection (see `model::linear`).
+    /// int8 products (query, key and value fused), but bf16 for the feed-forward
+    /// down-projection (see `model::linear`).
     fn quantize_int8(&mut self) {
-        for l in [
-            &mut self.query,
-            &mut self.key,
-            &mut self.value,
-            &mut self.attn_out,
-            &mut self.intermediate,
-        ] {
-            l.quantize();
+        self.qkv = Some(Fused::int8([&self.query, &self.key, &self.value]));
+        self.attn_out.quantize();
+        if self.act == "gelu" {
+            self.ffn = Some(FeedForward::int8_gelu(&self.intermediate, &self.output));
+        } else {
+            self.intermediate.quantize();
+            self.output.use_bf16();
         }
-        self.output.use_bf16();
     }
 
     /// `first_only`: compute the output of the first token only (see [`queries`]).
     fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
         let q = queries(x, first_only);
+        let (query, key, value) = match &self.qkv {
+            // The fused product computes every row's query; the last layer keeps the first.
+            Some(qkv) => {
+                let [query, key, value] = qkv.forward(x);
+                (queries(&query, first_only), key, value)
+            }
+            None => (
+                self.query.forward(&q),
+                self.key.forward(x),
+                self.value.forward(x),
+            ),
+        };
         let ctx = attention(
-            &self.query.forward(&q),
-            &self.key.forward(x),
-            &self.value.forward(x),
+            &query,
+            &key,
+            &value,
             bias,
             self.heads,
             self.attn_dropout,
             train,
         );
-        let x = self
-            .attn_norm
-            .forward(&(self.attn_out.forward(&ctx).dropout(self.dropout, train) + q));
-        let inner = activation(&self.act, &self.intermediate.forward(&x));
-        self.out_norm
-            .forward(&(self.output.forward(&inner).dropout(self.dropout, train) + x))
+        let x = self.attn_norm.forward(&if train {
+            self.attn_out.forward(&ctx).dropout(self.dropout, true) + q
+        } else {
+            self.attn_out.forward_add(&ctx, &q)
+        });
+        let out = match &self.ffn {
+            Some(ffn) => ffn.forward(&x, &x),
+            None => {
+                let inner = activation(&self.act, &self.intermediate.forward(&x));
+                self.output.forward(&inner).dropout(self.dropout, train) + x
+            }
+        };
+        self.out_norm.forward(&out)
     }
 }
 

@@ -4,18 +4,19 @@
 //! (symmetric, round to nearest). Each call then quantizes its input per token (one scale
 //! per row, from that row's largest magnitude), multiplies int8 × int8 → int32 with
 //! libtorch's `_int_mm` (oneDNN, VNNI on x86), and rescales the int32 sums to fp32 with both
-//! scales before adding the fp32 bias. No calibration data is needed: every scale comes from
-//! the weights or from the row being multiplied.
+//! scales before adding the fp32 bias (those two passes are lakeml's own, see
+//! [`super::int8`]). No calibration data is needed: every scale comes from the weights or
+//! from the row being multiplied. [`Fused`] runs several int8 layers that read the same input
+//! (a layer's query, key and value) as one product, over one quantized copy of the input.
 //!
 //! [`Linear::use_bf16`] keeps a bf16 copy of the weight and runs the product in bf16, fp32
 //! in and out: for the layers whose inputs per-token int8 cannot represent (a feed-forward
 //! down-projection, whose GELU outputs have a few channels far larger than the rest).
 
 use tch::nn::{self, Module};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
-/// The largest int8 magnitude a scale maps to (symmetric: -127..=127, -128 unused).
-const Q_MAX: f64 = 127.0;
+use super::int8::{self, Q_MAX};
 
 /// `nn::Linear` (its variables stay in the VarStore, trained and saved as usual), with an
 /// int8 or bf16 path for inference once [`Linear::quantize`] or [`Linear::use_bf16`] has
@@ -33,13 +34,79 @@ enum Fast {
     Bf16(Tensor),
 }
 
+/// An int8 weight with its scales and fp32 bias, on the CPU.
 #[derive(Debug)]
 struct Int8Weight {
     /// `[in, out]` int8: the transpose of a contiguous `[out, in]` tensor, the layout
     /// oneDNN's int8 GEMM runs fastest on here.
     wt: Tensor,
-    /// `[out]` fp32: one scale per output channel.
-    scale: Tensor,
+    /// One scale per output channel.
+    scale: Vec<f32>,
+    /// One per output channel (zeros for a layer without bias).
+    bias: Vec<f32>,
+}
+
+impl Int8Weight {
+    /// From an `[out, in]` weight and its `[out]` bias, if any.
+    fn new(w: &Tensor, b: Option<&Tensor>) -> Self {
+        let w = w.detach().to_kind(Kind::Float).to_device(Device::Cpu);
+        let scale = w
+            .abs()
+            .amax([1].as_slice(), false)
+            .clamp_min(f64::from(f32::MIN_POSITIVE))
+            / f64::from(Q_MAX);
+        let q = (w / scale.unsqueeze(1)).round().to_kind(Kind::Int8);
+        let bias = match b {
+            Some(b) => floats(b),
+            None => vec![0.0; scale.numel()],
+        };
+        Self {
+            wt: q.tr(),
+            scale: floats(&scale),
+            bias,
+        }
+    }
+
+    /// `x` `[..., in]` (fp32) times the weight, plus the bias (and `residual`, shaped as the
+    /// output, if any): `[..., out]` fp32.
+    fn forward(&self, xs: &Tensor, residual: Option<&Tensor>) -> Tensor {
+        let (rows, sums, shape) = self.sums(xs);
+        let residual = residual.map(|r| r.reshape([-1, self.width()]));
+        int8::rescale(
+            sums,
+            &rows.scale,
+            &self.scale,
+            &self.bias,
+            residual.as_ref(),
+        )
+        .reshape(shape)
+    }
+
+    /// The quantized `[m, in]` input, the int32 sums `[m, out]`, and the output's shape.
+    fn sums(&self, xs: &Tensor) -> (int8::Rows, Tensor, Vec<i64>) {
+        let mut shape = xs.size();
+        let k = shape.last().copied().unwrap_or(1);
+        let rows = int8::quantize_rows(&xs.reshape([-1, k]));
+        let sums = rows.q.internal_int_mm(&self.wt);
+        if let Some(last) = shape.last_mut() {
+            *last = self.width();
+        }
+        (rows, sums, shape)
+    }
+
+    fn width(&self) -> i64 {
+        self.scale.len() as i64
+    }
+}
+
+/// The values of a small fp32 tensor.
+fn floats(t: &Tensor) -> Vec<f32> {
+    let t = t
+        .detach()
+        .to_kind(Kind::Float)
+        .to_device(Device::Cpu)
+        .flatten(0, -1);
+    Vec::<f32>::try_from(&t).unwrap_or_else(|e| panic!("reading a weight's values: {e}"))
 }
 
 impl Linear {
@@ -47,17 +114,22 @@ impl Linear {
         Self { inner, fast: None }
     }
 
-    /// From now on, products run in int8 (see the module docs). The fp32 weight stays in the
-    /// VarStore; call this after the weights are loaded.
+    /// From now on, products run in int8 on the CPU (see the module docs). The fp32 weight
+    /// stays in the VarStore; call this after the weights are loaded.
     pub(crate) fn quantize(&mut self) {
-        let w = self.inner.ws.detach().to_kind(Kind::Float);
-        let scale = w
-            .abs()
-            .amax([1].as_slice(), false)
-            .clamp_min(f64::from(f32::MIN_POSITIVE))
-            / Q_MAX;
-        let q = (w / scale.unsqueeze(1)).round().to_kind(Kind::Int8);
-        self.fast = Some(Fast::Int8(Int8Weight { wt: q.tr(), scale }));
+        self.fast = Some(Fast::Int8(Int8Weight::new(
+            &self.inner.ws,
+            self.inner.bs.as_ref(),
+        )));
+    }
+
+    /// `self.forward(xs) + residual` (shaped as the output); in int8, the residual is added
+    /// in the same pass as the bias.
+    pub(crate) fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Tensor {
+        match &self.fast {
+            Some(Fast::Int8(q)) => q.forward(xs, Some(residual)),
+            _ => self.forward(xs) + residual,
+        }
     }
 
     /// From now on, products run in bf16 with fp32 inputs, outputs and bias.
@@ -69,8 +141,9 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        let q = match &self.fast {
-            None => return self.inner.forward(xs),
+        match &self.fast {
+            None => self.inner.forward(xs),
+            Some(Fast::Int8(q)) => q.forward(xs, None),
             Some(Fast::Bf16(w)) => {
                 let mut y = xs
                     .to_kind(Kind::BFloat16)
@@ -79,43 +152,90 @@ impl Module for Linear {
                 if let Some(b) = &self.inner.bs {
                     let _ = y.g_add_(b);
                 }
-                return y;
-            }
-            Some(Fast::Int8(q)) => q,
-        };
-        let mut shape = xs.size();
-        let k = shape.last().copied().unwrap_or(1);
-        let x = xs.reshape([-1, k]).to_kind(Kind::Float);
-        let (xq, x_scale) = quantize_rows(&x);
-        // Two passes over the `[m, n]` sums (memory-bound, as long as the product itself for
-        // a feed-forward layer): int32 × channel scales → fp32, then bias + that × token
-        // scales, in place.
-        let mut y = xq.internal_int_mm(&q.wt).g_mul(&q.scale);
-        match &self.inner.bs {
-            Some(b) => {
-                let _ = b.addcmul_out(&y, &y, &x_scale);
-            }
-            None => {
-                let _ = y.g_mul_(&x_scale);
+                y
             }
         }
-        if let Some(last) = shape.last_mut() {
-            *last = q.scale.size()[0];
-        }
-        y.reshape(shape)
     }
 }
 
-/// Symmetric per-row int8: `x ≈ q * scale` with `q` `[m, k]` int8, `scale` `[m, 1]` fp32.
-fn quantize_rows(x: &Tensor) -> (Tensor, Tensor) {
-    let scale = x
-        .abs()
-        .amax([1].as_slice(), true)
-        .clamp_min(f64::from(f32::MIN_POSITIVE))
-        / Q_MAX;
-    let mut q = x / &scale;
-    let _ = q.round_();
-    (q.to_kind(Kind::Int8), scale)
+/// Several linear layers over the same input as one int8 product: the input is quantized
+/// once and multiplied by their weights side by side, which also makes the product wide
+/// enough to run near the int8 peak (three `[hidden, hidden]` products are each too narrow).
+#[derive(Debug)]
+pub(crate) struct Fused<const N: usize> {
+    weight: Int8Weight,
+    /// Each layer's output width, in order.
+    widths: [i64; N],
+}
+
+impl<const N: usize> Fused<N> {
+    /// `layers` (their fp32 weights, whatever path they run) as one int8 product.
+    pub(crate) fn int8(layers: [&Linear; N]) -> Self {
+        let ws: Vec<&Tensor> = layers.iter().map(|l| &l.inner.ws).collect();
+        let bs: Vec<Tensor> = layers
+            .iter()
+            .map(|l| match &l.inner.bs {
+                Some(b) => b.detach(),
+                None => l.inner.ws.zeros_like().select(1, 0),
+            })
+            .collect();
+        Self {
+            weight: Int8Weight::new(&Tensor::cat(&ws, 0), Some(&Tensor::cat(&bs, 0))),
+            widths: layers.map(|l| l.inner.ws.size()[0]),
+        }
+    }
+
+    /// Each layer's output for `xs` `[..., in]`, in order (views of one product).
+    pub(crate) fn forward(&self, xs: &Tensor) -> [Tensor; N] {
+        let y = self.weight.forward(xs, None);
+        let mut start = 0;
+        self.widths.map(|width| {
+            let part = y.narrow(-1, start, width);
+            start += width;
+            part
+        })
+    }
+}
+
+/// A feed-forward block with exact GELU between its products, for int8 inference: the
+/// up-projection in int8 with the GELU fused into its rescaling, which writes bf16 (see
+/// [`int8::rescale_gelu_bf16`]); the down-projection in bf16 (see [`Linear::use_bf16`]), its
+/// bias and the block's residual added in one pass as it turns fp32.
+#[derive(Debug)]
+pub(crate) struct FeedForward {
+    up: Int8Weight,
+    /// `[out, in]` bf16.
+    down: Tensor,
+    down_bias: Vec<f32>,
+}
+
+impl FeedForward {
+    /// `up` and `down` (their fp32 weights), with GELU between them.
+    pub(crate) fn int8_gelu(up: &Linear, down: &Linear) -> Self {
+        let down_bias = match &down.inner.bs {
+            Some(b) => floats(b),
+            None => vec![0.0; down.inner.ws.size()[0] as usize],
+        };
+        Self {
+            up: Int8Weight::new(&up.inner.ws, up.inner.bs.as_ref()),
+            down: down.inner.ws.detach().to_kind(Kind::BFloat16),
+            down_bias,
+        }
+    }
+
+    /// `down(gelu(up(xs))) + residual`, `[..., out]` fp32 (`residual` shaped so too).
+    pub(crate) fn forward(&self, xs: &Tensor, residual: &Tensor) -> Tensor {
+        let (rows, sums, _) = self.up.sums(xs);
+        let inner = int8::rescale_gelu_bf16(&sums, &rows.scale, &self.up.scale, &self.up.bias);
+        let y = inner.linear::<&Tensor>(&self.down, None);
+        let shape = residual.size();
+        int8::add_bias_residual(
+            &y,
+            &self.down_bias,
+            &residual.reshape([-1, self.down.size()[0]]),
+        )
+        .reshape(shape)
+    }
 }
 
 #[cfg(test)]
@@ -161,6 +281,68 @@ mod tests {
         assert_eq!(approx.kind(), Kind::Float);
         // bf16 keeps 8 significant bits of each input: about 0.4% relative error.
         assert!(rel < 0.01 && rel > 0.0, "relative error {rel}");
+    }
+
+    #[test]
+    fn fused_layers_give_each_layers_own_int8_output() {
+        tch::manual_seed(8);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut layers: Vec<Linear> = (0..3)
+            .map(|i| {
+                Linear::new(nn::linear(
+                    vs.root() / i,
+                    64,
+                    48 + 16 * i,
+                    Default::default(),
+                ))
+            })
+            .collect();
+        let fused = Fused::int8([&layers[0], &layers[1], &layers[2]]);
+        let x = Tensor::randn([2, 5, 64], (Kind::Float, Device::Cpu));
+        let parts = tch::no_grad(|| fused.forward(&x));
+        for (layer, part) in layers.iter_mut().zip(&parts) {
+            layer.quantize();
+            let own = tch::no_grad(|| layer.forward(&x));
+            assert_eq!(part.size(), own.size());
+            // Same per-channel scales and the same quantized input: the same int32 sums.
+            assert!(part.allclose(&own, 0.0, 0.0, false));
+        }
+    }
+
+    #[test]
+    fn adding_the_residual_in_the_int8_pass_is_adding_it_after() {
+        let (_vs, mut l) = layer(32, 24);
+        l.quantize();
+        let x = Tensor::randn([3, 4, 32], (Kind::Float, Device::Cpu));
+        let r = Tensor::randn([3, 4, 24], (Kind::Float, Device::Cpu));
+        let (fused, after) = tch::no_grad(|| (l.forward_add(&x, &r), l.forward(&x) + &r));
+        assert!(fused.allclose(&after, 1e-6, 1e-6, false));
+    }
+
+    #[test]
+    fn the_int8_feed_forward_block_stays_within_the_quantization_error_of_fp32() {
+        tch::manual_seed(9);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let up = Linear::new(nn::linear(vs.root() / "up", 384, 1536, Default::default()));
+        let down = Linear::new(nn::linear(
+            vs.root() / "down",
+            1536,
+            384,
+            Default::default(),
+        ));
+        let x = Tensor::randn([2, 9, 384], (Kind::Float, Device::Cpu));
+        let residual = Tensor::randn([2, 9, 384], (Kind::Float, Device::Cpu));
+        let exact = tch::no_grad(|| down.forward(&up.forward(&x).gelu("none")) + &residual);
+        let block = FeedForward::int8_gelu(&up, &down);
+        let approx = tch::no_grad(|| block.forward(&x, &residual));
+        assert_eq!(
+            (approx.size(), approx.kind()),
+            (vec![2, 9, 384], Kind::Float)
+        );
+        let rel =
+            f64::try_from((&approx - &exact).norm() / (&exact - &residual).norm()).expect("scalar");
+        // int8 up-projection (about 1%) and bf16 activations and down-projection (0.4%).
+        assert!(rel < 0.02 && rel > 0.0, "relative error {rel}");
     }
 
     #[test]

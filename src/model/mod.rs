@@ -8,6 +8,7 @@ mod bert;
 mod config;
 mod deberta;
 mod distilbert;
+mod int8;
 mod linear;
 #[cfg(test)]
 mod tests;
@@ -21,7 +22,7 @@ use std::path::Path;
 use tch::{Device, Tensor, nn};
 
 pub(crate) use config::{Arch, ModelConfig};
-pub(crate) use linear::Linear;
+pub(crate) use linear::{FeedForward, Fused, Linear};
 
 use crate::error::{Error, Result};
 
