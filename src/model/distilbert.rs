@@ -8,8 +8,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, Linear, activation, attention, attention_bias, embedding, layer_norm, linear,
-    queries,
+    Classifier, FeedForward, Fused, Linear, activation, attention, attention_bias, embedding,
+    layer_norm, linear, queries,
 };
 use crate::error::{Error, Result};
 
@@ -77,10 +77,14 @@ struct Block {
     q: Linear,
     k: Linear,
     v: Linear,
+    /// int8 inference: q, k and v as one product.
+    qkv: Option<Fused<3>>,
     out: Linear,
     sa_norm: nn::LayerNorm,
     lin1: Linear,
     lin2: Linear,
+    /// int8 inference with exact GELU: the feed-forward block's products and the GELU fused.
+    ffn: Option<FeedForward>,
     out_norm: nn::LayerNorm,
     heads: i64,
     act: String,
@@ -96,10 +100,12 @@ impl Block {
             q: linear(&a / "q_lin", d, d, std),
             k: linear(&a / "k_lin", d, d, std),
             v: linear(&a / "v_lin", d, d, std),
+            qkv: None,
             out: linear(&a / "out_lin", d, d, std),
             sa_norm: layer_norm(&p / "sa_layer_norm", d, EPS),
             lin1: linear(&p / "ffn" / "lin1", d, c.hidden_dim, std),
             lin2: linear(&p / "ffn" / "lin2", c.hidden_dim, d, std),
+            ffn: None,
             out_norm: layer_norm(&p / "output_layer_norm", d, EPS),
             heads: c.n_heads,
             act: c.activation.clone(),
@@ -108,38 +114,48 @@ impl Block {
         }
     }
 
-    /// int8 products, but bf16 for the feed-forward down-projection (see `model::linear`).
+    /// int8 products (q, k and v fused), but bf16 for the feed-forward down-projection
+    /// (see `model::linear`).
     fn quantize_int8(&mut self) {
-        for l in [
-            &mut self.q,
-            &mut self.k,
-            &mut self.v,
-            &mut self.out,
-            &mut self.lin1,
-        ] {
-            l.quantize();
+        self.qkv = Some(Fused::int8([&self.q, &self.k, &self.v]));
+        self.out.quantize();
+        if self.act == "gelu" {
+            self.ffn = Some(FeedForward::int8_gelu(&self.lin1, &self.lin2));
+        } else {
+            self.lin1.quantize();
+            self.lin2.use_bf16();
         }
-        self.lin2.use_bf16();
     }
 
     /// `first_only`: compute the output of the first token only (see [`queries`]).
     fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
         let q = queries(x, first_only);
+        let (query, key, value) = match &self.qkv {
+            // The fused product computes every row's query; the last block keeps the first.
+            Some(qkv) => {
+                let [query, key, value] = qkv.forward(x);
+                (queries(&query, first_only), key, value)
+            }
+            None => (self.q.forward(&q), self.k.forward(x), self.v.forward(x)),
+        };
         let ctx = attention(
-            &self.q.forward(&q),
-            &self.k.forward(x),
-            &self.v.forward(x),
+            &query,
+            &key,
+            &value,
             bias,
             self.heads,
             self.attn_dropout,
             train,
         );
-        let x = self.sa_norm.forward(&(self.out.forward(&ctx) + q));
-        let ffn = self
-            .lin2
-            .forward(&activation(&self.act, &self.lin1.forward(&x)))
-            .dropout(self.dropout, train);
-        self.out_norm.forward(&(ffn + x))
+        let x = self.sa_norm.forward(&self.out.forward_add(&ctx, &q));
+        let out = match &self.ffn {
+            Some(ffn) => ffn.forward(&x, &x),
+            None => {
+                let inner = activation(&self.act, &self.lin1.forward(&x));
+                self.lin2.forward(&inner).dropout(self.dropout, train) + x
+            }
+        };
+        self.out_norm.forward(&out)
     }
 }
 
