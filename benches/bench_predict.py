@@ -12,11 +12,12 @@ The sides, each at the precisions it offers (PRECISIONS):
 - lakeml (fp32, bf16, int8) and lakeml_generic (fp32, its MKL override off);
 - HF `pipeline` and `Trainer.predict` (fp32, bf16): what HF's docs recommend;
 - careful PyTorch (`torch`: rows sorted by length in batches of 64, `inference_mode`, bf16 by
-  autocast), and the same with the MKL override preloaded (`torch_mkl`): what a tuned user
+  autocast), and the same with the MKL override preloaded and glibc keeping freed memory for
+  reuse (`torch_mkl`; measure.TUNED_MALLOC, as lakeml's binary does): what a tuned user
   writes by hand;
 - ONNX Runtime (`ort`): the model exported by `torch.onnx.export`, fp32, and int8 by
   `onnxruntime.quantization.quantize_dynamic` (QInt8 weights; per-channel, its more accurate
-  setting here), sorted batches of 64 as above.
+  setting here), sorted batches of 64 as above, with the same malloc tuning.
 Every table of results has a column of label agreement with lakeml at fp32 (which equals
 transformers at fp32) and one of MFU: the model's FLOPs (every linear layer and attention
 product for each real token) per second of wall time, over the GEMM peak at that precision
@@ -64,13 +65,13 @@ import statistics
 import sys
 import time
 
-from measure import SideFailed, gemm_peaks, mkl_override_lib, run_measured, stage_reports, tail, work_dir
+from measure import TUNED_MALLOC, SideFailed, gemm_peaks, mkl_override_lib, run_measured, stage_reports, tail, work_dir
 
 BATCH_SIZE = 64
 LABELS = "rotten,fresh"
 RESULT = "BENCH_RESULT "  # prefix of an HF child's result line (transformers logs too)
 SIDES = {"lakeml": "lakeml", "lakeml_generic": "lakeml, MKL generic", "pipeline": "HF pipeline",
-         "trainer": "HF Trainer.predict", "torch": "PyTorch, careful", "torch_mkl": "PyTorch + MKL override",
+         "trainer": "HF Trainer.predict", "torch": "PyTorch, careful", "torch_mkl": "PyTorch + MKL, malloc",
          "ort": "ONNX Runtime"}
 PRECISIONS = {"lakeml": ("fp32", "bf16", "int8"), "lakeml_generic": ("fp32",), "pipeline": ("fp32", "bf16"),
               "trainer": ("fp32", "bf16"), "torch": ("fp32", "bf16"), "torch_mkl": ("fp32", "bf16"),
@@ -255,7 +256,9 @@ def hf_child(kind: str, source: str, model: str, precision: str, threads: int, d
 def hf_side(kind: str, source: str, model: str, precision: str, threads: int, dest: str, env: dict) -> dict:
     child = kind
     if kind == "torch_mkl":
-        child, env = "torch", dict(env, LD_PRELOAD=env["LAKEML_BENCH_MKL_OVERRIDE"])
+        child, env = "torch", dict(env, LD_PRELOAD=env["LAKEML_BENCH_MKL_OVERRIDE"], **TUNED_MALLOC)
+    elif kind == "ort":
+        env = dict(env, **TUNED_MALLOC)
     r = run_measured([sys.executable, __file__, "--child", child, source, model, precision, str(threads), dest], env)
     lines = [x for x in r["stdout"].splitlines() if x.startswith(RESULT)]
     if r["rc"] != 0 or not lines:

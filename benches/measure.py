@@ -14,6 +14,12 @@ import time
 # and as HF's text-embeddings-inference CPU image does.
 MKL_OVERRIDE_C = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 
+# glibc keeping freed memory for reuse instead of unmapping every large block on free (and
+# page-faulting it in again on the next forward pass): what the lakeml binary sets with
+# mallopt at start-up, and what a tuned user gets from these tunables (or from jemalloc or
+# tcmalloc). The tuned peers run with it too.
+TUNED_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647"}
+
 
 def mkl_override_lib(work: pathlib.Path) -> str:
     """Builds the MKL override as a shared library in `work` (with the system's cc) and
