@@ -9,8 +9,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, FeedForward, Fused, Linear, activation, attention, attention_bias, embedding,
-    layer_norm, linear, queries,
+    Classifier, FeedForward, Fused, Linear, attention, attention_bias, embedding, feed_forward,
+    layer_norm, linear, project_qkv, queries,
 };
 use crate::error::{Error, Result};
 
@@ -207,18 +207,12 @@ impl Layer {
     /// `first_only`: compute the output of the first token only (see [`queries`]).
     fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
         let q = queries(x, first_only);
-        let (query, key, value) = match &self.qkv {
-            // The fused product computes every row's query; the last layer keeps the first.
-            Some(qkv) => {
-                let [query, key, value] = qkv.forward(x);
-                (queries(&query, first_only), key, value)
-            }
-            None => (
-                self.query.forward(&q),
-                self.key.forward(x),
-                self.value.forward(x),
-            ),
-        };
+        let [query, key, value] = project_qkv(
+            self.qkv.as_ref(),
+            [&self.query, &self.key, &self.value],
+            x,
+            first_only,
+        );
         let ctx = attention(
             &query,
             &key,
@@ -233,13 +227,14 @@ impl Layer {
         } else {
             self.attn_out.forward_add(&ctx, &q)
         });
-        let out = match &self.ffn {
-            Some(ffn) => ffn.forward(&x, &x),
-            None => {
-                let inner = activation(&self.act, &self.intermediate.forward(&x));
-                self.output.forward(&inner).dropout(self.dropout, train) + x
-            }
-        };
+        let out = feed_forward(
+            self.ffn.as_ref(),
+            [&self.intermediate, &self.output],
+            &self.act,
+            &x,
+            self.dropout,
+            train,
+        );
         self.out_norm.forward(&out)
     }
 }

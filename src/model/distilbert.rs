@@ -8,8 +8,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, FeedForward, Fused, Linear, activation, attention, attention_bias, embedding,
-    layer_norm, linear, queries,
+    Classifier, FeedForward, Fused, Linear, attention, attention_bias, embedding, feed_forward,
+    layer_norm, linear, project_qkv, queries,
 };
 use crate::error::{Error, Result};
 
@@ -130,14 +130,12 @@ impl Block {
     /// `first_only`: compute the output of the first token only (see [`queries`]).
     fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
         let q = queries(x, first_only);
-        let (query, key, value) = match &self.qkv {
-            // The fused product computes every row's query; the last block keeps the first.
-            Some(qkv) => {
-                let [query, key, value] = qkv.forward(x);
-                (queries(&query, first_only), key, value)
-            }
-            None => (self.q.forward(&q), self.k.forward(x), self.v.forward(x)),
-        };
+        let [query, key, value] = project_qkv(
+            self.qkv.as_ref(),
+            [&self.q, &self.k, &self.v],
+            x,
+            first_only,
+        );
         let ctx = attention(
             &query,
             &key,
@@ -148,13 +146,14 @@ impl Block {
             train,
         );
         let x = self.sa_norm.forward(&self.out.forward_add(&ctx, &q));
-        let out = match &self.ffn {
-            Some(ffn) => ffn.forward(&x, &x),
-            None => {
-                let inner = activation(&self.act, &self.lin1.forward(&x));
-                self.lin2.forward(&inner).dropout(self.dropout, train) + x
-            }
-        };
+        let out = feed_forward(
+            self.ffn.as_ref(),
+            [&self.lin1, &self.lin2],
+            &self.act,
+            &x,
+            self.dropout,
+            train,
+        );
         self.out_norm.forward(&out)
     }
 }

@@ -79,16 +79,7 @@ pub(crate) fn rescale(
     bias: &[f32],
     residual: Option<&Tensor>,
 ) -> Tensor {
-    let acc = acc.contiguous();
-    let (m, n) = matrix(&acc);
-    assert!(
-        acc.kind() == Kind::Int && acc.device() == Device::Cpu,
-        "int8 sums must be int32 on the CPU"
-    );
-    assert!(
-        row.len() == m && col.len() == n && bias.len() == n,
-        "scales do not fit the sums"
-    );
+    let (acc, m, n) = checked_sums(&acc, row, col, bias);
     let residual = residual.map(|r| {
         let r = cpu_f32(r).contiguous();
         assert!(r.numel() == m * n, "the residual does not fit the sums");
@@ -121,16 +112,7 @@ pub(crate) fn rescale(
 /// `[m, n]` tensor: a feed-forward up-projection whose output feeds a bf16 product, without
 /// an fp32 activation in between.
 pub(crate) fn rescale_gelu_bf16(acc: &Tensor, row: &[f32], col: &[f32], bias: &[f32]) -> Tensor {
-    let acc = acc.contiguous();
-    let (m, n) = matrix(&acc);
-    assert!(
-        acc.kind() == Kind::Int && acc.device() == Device::Cpu,
-        "int8 sums must be int32 on the CPU"
-    );
-    assert!(
-        row.len() == m && col.len() == n && bias.len() == n,
-        "scales do not fit the sums"
-    );
+    let (acc, m, n) = checked_sums(acc, row, col, bias);
     let out = Tensor::empty([m as i64, n as i64], (Kind::BFloat16, Device::Cpu));
     if m * n > 0 {
         // SAFETY: `acc` is a contiguous int32 CPU tensor of m × n elements, only read; `out`
@@ -188,6 +170,22 @@ pub(crate) fn add_bias_residual(y: &Tensor, bias: &[f32], residual: &Tensor) -> 
         });
     }
     out
+}
+
+/// `acc` (int32 sums on the CPU) made contiguous, with its rows and columns, checked
+/// against the row scales, column scales and bias that go with it.
+fn checked_sums(acc: &Tensor, row: &[f32], col: &[f32], bias: &[f32]) -> (Tensor, usize, usize) {
+    let acc = acc.contiguous();
+    let (m, n) = matrix(&acc);
+    assert!(
+        acc.kind() == Kind::Int && acc.device() == Device::Cpu,
+        "int8 sums must be int32 on the CPU"
+    );
+    assert!(
+        row.len() == m && col.len() == n && bias.len() == n,
+        "scales do not fit the sums"
+    );
+    (acc, m, n)
 }
 
 fn cpu_f32(x: &Tensor) -> Tensor {

@@ -19,6 +19,7 @@ pub(crate) use weights::weight_files;
 
 use std::path::Path;
 
+use tch::nn::Module;
 use tch::{Device, Tensor, nn};
 
 pub(crate) use config::{Arch, ModelConfig};
@@ -123,6 +124,48 @@ pub(crate) fn queries(x: &Tensor, first_only: bool) -> Tensor {
         x.narrow(1, 0, 1)
     } else {
         x.shallow_clone()
+    }
+}
+
+/// A layer's queries (for the rows [`queries`] keeps), keys and values for `x`: from one
+/// fused product when the layer has one (int8 inference), else from its three layers.
+pub(crate) fn project_qkv(
+    fused: Option<&Fused<3>>,
+    [query, key, value]: [&Linear; 3],
+    x: &Tensor,
+    first_only: bool,
+) -> [Tensor; 3] {
+    match fused {
+        // The fused product computes every row's query; a last layer keeps the first.
+        Some(qkv) => {
+            let [q, k, v] = qkv.forward(x);
+            [queries(&q, first_only), k, v]
+        }
+        None => [
+            query.forward(&queries(x, first_only)),
+            key.forward(x),
+            value.forward(x),
+        ],
+    }
+}
+
+/// A layer's feed-forward block over `x`, plus `x` (its residual): `down(act(up(x)))`
+/// with dropout, or the fused int8 block when the layer has one (int8 inference).
+pub(crate) fn feed_forward(
+    fused: Option<&FeedForward>,
+    [up, down]: [&Linear; 2],
+    act: &str,
+    x: &Tensor,
+    dropout: f64,
+    train: bool,
+) -> Tensor {
+    match fused {
+        Some(ffn) => ffn.forward(x, x),
+        None => {
+            down.forward(&activation(act, &up.forward(x)))
+                .dropout(dropout, train)
+                + x
+        }
     }
 }
 
