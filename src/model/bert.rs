@@ -196,12 +196,7 @@ impl Layer {
     fn quantize_int8(&mut self) {
         self.qkv = Some(Fused::int8([&self.query, &self.key, &self.value]));
         self.attn_out.quantize();
-        if self.act == "gelu" {
-            self.ffn = Some(FeedForward::int8_gelu(&self.intermediate, &self.output));
-        } else {
-            self.intermediate.quantize();
-            self.output.use_bf16();
-        }
+        self.ffn = FeedForward::quantize(&self.act, &mut self.intermediate, &mut self.output);
     }
 
     /// `first_only`: compute the output of the first token only (see [`queries`]).

@@ -119,12 +119,7 @@ impl Block {
     fn quantize_int8(&mut self) {
         self.qkv = Some(Fused::int8([&self.q, &self.k, &self.v]));
         self.out.quantize();
-        if self.act == "gelu" {
-            self.ffn = Some(FeedForward::int8_gelu(&self.lin1, &self.lin2));
-        } else {
-            self.lin1.quantize();
-            self.lin2.use_bf16();
-        }
+        self.ffn = FeedForward::quantize(&self.act, &mut self.lin1, &mut self.lin2);
     }
 
     /// `first_only`: compute the output of the first token only (see [`queries`]).

@@ -47,8 +47,8 @@ struct Int8Weight {
 }
 
 impl Int8Weight {
-    /// From an `[out, in]` weight and its `[out]` bias, if any.
-    fn new(w: &Tensor, b: Option<&Tensor>) -> Self {
+    /// From an `[out, in]` weight and its `out` bias values.
+    fn new(w: &Tensor, bias: Vec<f32>) -> Self {
         let w = w.detach().to_kind(Kind::Float).to_device(Device::Cpu);
         let scale = w
             .abs()
@@ -56,10 +56,6 @@ impl Int8Weight {
             .clamp_min(f64::from(f32::MIN_POSITIVE))
             / f64::from(Q_MAX);
         let q = (w / scale.unsqueeze(1)).round().to_kind(Kind::Int8);
-        let bias = match b {
-            Some(b) => floats(b),
-            None => vec![0.0; scale.numel()],
-        };
         Self {
             wt: q.tr(),
             scale: floats(&scale),
@@ -99,6 +95,14 @@ impl Int8Weight {
     }
 }
 
+/// A layer's bias values, zeros for a layer without one.
+fn bias_values(l: &nn::Linear) -> Vec<f32> {
+    match &l.bs {
+        Some(b) => floats(b),
+        None => vec![0.0; l.ws.size()[0] as usize],
+    }
+}
+
 /// The values of a small fp32 tensor.
 fn floats(t: &Tensor) -> Vec<f32> {
     let t = t
@@ -119,7 +123,7 @@ impl Linear {
     pub(crate) fn quantize(&mut self) {
         self.fast = Some(Fast::Int8(Int8Weight::new(
             &self.inner.ws,
-            self.inner.bs.as_ref(),
+            bias_values(&self.inner),
         )));
     }
 
@@ -172,15 +176,9 @@ impl<const N: usize> Fused<N> {
     /// `layers` (their fp32 weights, whatever path they run) as one int8 product.
     pub(crate) fn int8(layers: [&Linear; N]) -> Self {
         let ws: Vec<&Tensor> = layers.iter().map(|l| &l.inner.ws).collect();
-        let bs: Vec<Tensor> = layers
-            .iter()
-            .map(|l| match &l.inner.bs {
-                Some(b) => b.detach(),
-                None => l.inner.ws.zeros_like().select(1, 0),
-            })
-            .collect();
+        let bias = layers.iter().flat_map(|l| bias_values(&l.inner)).collect();
         Self {
-            weight: Int8Weight::new(&Tensor::cat(&ws, 0), Some(&Tensor::cat(&bs, 0))),
+            weight: Int8Weight::new(&Tensor::cat(&ws, 0), bias),
             widths: layers.map(|l| l.inner.ws.size()[0]),
         }
     }
@@ -210,16 +208,24 @@ pub(crate) struct FeedForward {
 }
 
 impl FeedForward {
+    /// Switches a feed-forward block with activation `act` to int8 inference: fused into a
+    /// `FeedForward` for exact GELU (returned), else `up` in int8 and `down` in bf16 (see the
+    /// module docs), run one by one.
+    pub(crate) fn quantize(act: &str, up: &mut Linear, down: &mut Linear) -> Option<Self> {
+        if act == "gelu" {
+            return Some(Self::int8_gelu(up, down));
+        }
+        up.quantize();
+        down.use_bf16();
+        None
+    }
+
     /// `up` and `down` (their fp32 weights), with GELU between them.
-    pub(crate) fn int8_gelu(up: &Linear, down: &Linear) -> Self {
-        let down_bias = match &down.inner.bs {
-            Some(b) => floats(b),
-            None => vec![0.0; down.inner.ws.size()[0] as usize],
-        };
+    fn int8_gelu(up: &Linear, down: &Linear) -> Self {
         Self {
-            up: Int8Weight::new(&up.inner.ws, up.inner.bs.as_ref()),
+            up: Int8Weight::new(&up.inner.ws, bias_values(&up.inner)),
             down: down.inner.ws.detach().to_kind(Kind::BFloat16),
-            down_bias,
+            down_bias: bias_values(&down.inner),
         }
     }
 
