@@ -17,6 +17,7 @@
 
 mod catalog;
 mod config;
+mod cpu;
 mod delta;
 mod error;
 mod fingerprint;

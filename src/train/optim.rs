@@ -3,12 +3,13 @@
 //! Every parameter and every gradient is a view into one flat buffer, so a step is a single
 //! fused pass (on CPU, a Rust loop over the buffers, split across cores) instead of a dozen
 //! kernels per parameter; the flat gradient is also what an all-reduce wants. With bf16
-//! weights the optimizer keeps fp32 master weights and copies them back after each step.
+//! weights the optimizer keeps fp32 master weights; on the CPU the same pass reads the bf16
+//! gradients and writes the bf16 weights back, so a step allocates nothing.
 
-use rayon::prelude::*;
 use tch::{Device, Kind, Tensor, nn};
 
 use crate::config::Schedule;
+use crate::cpu::{Shared, bf16_bits, bf16_value, parallel, vectorized};
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Copy)]
@@ -124,8 +125,10 @@ impl AdamW {
         if !self.grads_bound {
             self.bind_grads()?;
         }
-        let norm = self.flat_grad.to_kind(Kind::Float).norm().double_value(&[]);
-        Ok(norm)
+        if self.flat_grad.device() == Device::Cpu {
+            return Ok(sum_of_squares_cpu(&self.flat_grad).sqrt());
+        }
+        Ok(self.flat_grad.to_kind(Kind::Float).norm().double_value(&[]))
     }
 
     /// One AdamW step at `lr`, with gradients scaled by `grad_scale` (clipping).
@@ -138,41 +141,24 @@ impl AdamW {
         let bc1 = 1.0 - c.beta1.powi(self.steps as i32);
         let bc2 = 1.0 - c.beta2.powi(self.steps as i32);
         let master = self.master.as_ref().unwrap_or(&self.flat).shallow_clone();
-        let grad = if self.flat_grad.kind() == Kind::Float {
-            self.flat_grad.shallow_clone()
-        } else {
-            self.flat_grad.to_kind(Kind::Float)
+        let step = Step {
+            lr,
+            grad_scale,
+            decayed: self.decayed,
+            c,
+            bc1,
+            bc2,
         };
         tch::no_grad(|| {
             if master.device() == Device::Cpu {
-                fused_cpu(
-                    &master,
-                    &grad,
-                    &self.m,
-                    &self.v,
-                    self.decayed,
-                    lr,
-                    grad_scale,
-                    c,
-                    bc1,
-                    bc2,
-                );
+                let model = self.master.is_some().then_some(&self.flat);
+                fused_cpu(&master, &self.flat_grad, &self.m, &self.v, model, &step);
             } else {
-                tensor_ops(
-                    &master,
-                    &grad,
-                    &self.m,
-                    &self.v,
-                    self.decayed,
-                    lr,
-                    grad_scale,
-                    c,
-                    bc1,
-                    bc2,
-                );
-            }
-            if self.master.is_some() {
-                self.flat.copy_(&master);
+                let grad = self.flat_grad.to_kind(Kind::Float);
+                tensor_ops(&master, &grad, &self.m, &self.v, &step);
+                if self.master.is_some() {
+                    self.flat.copy_(&master);
+                }
             }
         });
         Ok(())
@@ -247,55 +233,158 @@ impl AdamW {
     }
 }
 
-/// One pass over the buffers (PyTorch's AdamW arithmetic), chunks spread over the cores.
-#[allow(clippy::too_many_arguments)]
-fn fused_cpu(
-    p: &Tensor,
-    g: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    decayed: usize,
+/// What one step applies, besides the buffers.
+struct Step {
     lr: f64,
     grad_scale: f64,
+    /// Elements, from the start, that get weight decay.
+    decayed: usize,
     c: AdamWConfig,
+    /// Bias corrections `1 - beta^t`.
     bc1: f64,
     bc2: f64,
-) {
+}
+
+/// Elements per task of the CPU passes: large enough that a task's overhead is nothing,
+/// small enough that two threads share the work evenly.
+const CHUNK: usize = 1 << 16;
+
+/// One pass over the buffers (PyTorch's AdamW arithmetic), chunks spread over libtorch's
+/// threads. `p`, `m` and `v` are fp32; the gradients `g` are fp32, or bf16 for a bf16 model,
+/// whose weights (`model`) are then written in the same pass, rounded from the fp32 masters.
+fn fused_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, model: Option<&Tensor>, s: &Step) {
     let n = p.numel();
-    // SAFETY: all four are contiguous fp32 CPU tensors of n elements that this optimizer
-    // owns, and nothing else reads or writes them during the step.
-    let (p, g, m, v) = unsafe {
-        (
-            std::slice::from_raw_parts_mut(p.data_ptr() as *mut f32, n),
-            std::slice::from_raw_parts(g.data_ptr() as *const f32, n),
-            std::slice::from_raw_parts_mut(m.data_ptr() as *mut f32, n),
-            std::slice::from_raw_parts_mut(v.data_ptr() as *mut f32, n),
-        )
-    };
+    for t in [g, m, v].into_iter().chain(model) {
+        assert!(
+            t.numel() == n && t.is_contiguous() && t.device() == Device::Cpu,
+            "optimizer buffers must be contiguous CPU tensors of one size"
+        );
+    }
+    let c = s.c;
     let k = Coefficients {
         b1: c.beta1 as f32,
         b2: c.beta2 as f32,
         eps: c.eps as f32,
-        step_size: (lr / bc1) as f32,
-        bc2_sqrt: bc2.sqrt() as f32,
-        scale: grad_scale as f32,
+        step_size: (s.lr / s.bc1) as f32,
+        bc2_sqrt: s.bc2.sqrt() as f32,
+        scale: s.grad_scale as f32,
     };
-    let decay = (1.0 - lr * c.weight_decay) as f32;
-    const CHUNK: usize = 1 << 16;
-    p.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK))
-        .zip(v.par_chunks_mut(CHUNK))
-        .enumerate()
-        .for_each(|(chunk, (((p, g), m), v))| {
+    let decay = (1.0 - s.lr * c.weight_decay) as f32;
+    let bf16 = match (g.kind(), model.map(Tensor::kind)) {
+        (Kind::Float, None) => false,
+        (Kind::BFloat16, Some(Kind::BFloat16)) => true,
+        kinds => panic!("optimizer buffers of kinds {kinds:?}"),
+    };
+    let [p, m, v] = [p, m, v].map(|t| Shared(t.data_ptr() as *mut f32));
+    let (g, w) = (
+        g.data_ptr(),
+        model.map(|t| Shared(t.data_ptr() as *mut u16)),
+    );
+    let (g32, g16) = (Shared(g as *mut f32), Shared(g as *mut u16));
+    parallel(n.div_ceil(CHUNK), &|chunks| {
+        for chunk in chunks {
+            let start = chunk * CHUNK;
+            let len = CHUNK.min(n - start);
             // The decayed prefix and the rest, each a branch-free loop.
-            let split = decayed.saturating_sub(chunk * CHUNK).min(p.len());
-            let (p0, p1) = p.split_at_mut(split);
-            let (m0, m1) = m.split_at_mut(split);
-            let (v0, v1) = v.split_at_mut(split);
-            adamw_slice(p0, &g[..split], m0, v0, decay, &k);
-            adamw_slice(p1, &g[split..], m1, v1, 1.0, &k);
-        });
+            let split = s.decayed.saturating_sub(start).min(len);
+            for (at, len, decay) in [(start, split, decay), (start + split, len - split, 1.0)] {
+                // SAFETY: p, m, v, g (and w) are contiguous CPU buffers of n elements (checked
+                // above) that this optimizer owns and nothing else touches during the step;
+                // each task covers its own chunks, inside 0..n.
+                unsafe {
+                    let p = std::slice::from_raw_parts_mut(p.at(at), len);
+                    let m = std::slice::from_raw_parts_mut(m.at(at), len);
+                    let v = std::slice::from_raw_parts_mut(v.at(at), len);
+                    match w {
+                        Some(w) if bf16 => {
+                            let g = std::slice::from_raw_parts(g16.at(at), len);
+                            let w = std::slice::from_raw_parts_mut(w.at(at), len);
+                            adamw_bf16(p, g, m, v, w, decay, &k);
+                        }
+                        _ => {
+                            let g = std::slice::from_raw_parts(g32.at(at), len);
+                            adamw_f32(p, g, m, v, decay, &k);
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// The sum of the squares of `g` (fp32 or bf16, contiguous, on the CPU), accumulated in
+/// fp64, in one pass that allocates nothing.
+fn sum_of_squares_cpu(g: &Tensor) -> f64 {
+    assert!(
+        g.is_contiguous() && matches!(g.kind(), Kind::Float | Kind::BFloat16),
+        "gradients must be one contiguous fp32 or bf16 buffer"
+    );
+    let n = g.numel();
+    let chunks = n.div_ceil(CHUNK);
+    let mut partial = vec![0f64; chunks];
+    let out = Shared(partial.as_mut_ptr());
+    let (g32, g16) = (
+        Shared(g.data_ptr() as *mut f32),
+        Shared(g.data_ptr() as *mut u16),
+    );
+    let bf16 = g.kind() == Kind::BFloat16;
+    parallel(chunks, &|range| {
+        for chunk in range {
+            let (at, len) = (chunk * CHUNK, CHUNK.min(n - chunk * CHUNK));
+            // SAFETY: `g` holds n contiguous elements of its kind and is not written during
+            // this pass; each chunk writes only its own slot of `partial` (chunks of them).
+            unsafe {
+                *out.at(chunk) = if bf16 {
+                    squares_bf16(std::slice::from_raw_parts(g16.at(at), len))
+                } else {
+                    squares_f32(std::slice::from_raw_parts(g32.at(at), len))
+                };
+            }
+        }
+    });
+    // Summed in chunk order: the same result for any number of threads.
+    partial.iter().sum()
+}
+
+/// Lanes of the vectorized sums: independent accumulators the compiler keeps in registers.
+const LANES: usize = 8;
+
+#[inline(always)]
+fn squares_body<T: Copy>(g: &[T], value: impl Fn(T) -> f32) -> f64 {
+    let mut acc = [0f64; LANES];
+    let mut blocks = g.chunks_exact(LANES);
+    for block in &mut blocks {
+        for (a, &x) in acc.iter_mut().zip(block) {
+            let x = f64::from(value(x));
+            *a += x * x;
+        }
+    }
+    let tail: f64 = blocks
+        .remainder()
+        .iter()
+        .map(|&x| f64::from(value(x)).powi(2))
+        .sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+#[inline(always)]
+fn squares_f32_body(g: &[f32]) -> f64 {
+    squares_body(g, |x| x)
+}
+
+#[inline(always)]
+fn squares_bf16_body(g: &[u16]) -> f64 {
+    squares_body(g, bf16_value)
+}
+
+vectorized! {
+    /// The sum of squares of fp32 values, in fp64.
+    fn squares_f32(g: &[f32]) -> f64 = squares_f32_body;
+}
+
+vectorized! {
+    /// The sum of squares of bf16 values, in fp64.
+    fn squares_bf16(g: &[u16]) -> f64 = squares_bf16_body;
 }
 
 struct Coefficients {
@@ -307,32 +396,18 @@ struct Coefficients {
     scale: f32,
 }
 
-/// AdamW on one slice; on x86-64 with AVX-512 (or AVX2) the compiler gets to use it, as
-/// PyTorch's own fused kernel does by runtime dispatch.
-fn adamw_slice(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    decay: f32,
-    k: &Coefficients,
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above).
-            return unsafe { adamw_avx512(p, g, m, v, decay, k) };
-        }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-            return unsafe { adamw_avx2(p, g, m, v, decay, k) };
-        }
-    }
-    adamw_scalar(p, g, m, v, decay, k);
+/// AdamW on one parameter element, as PyTorch computes it.
+#[inline(always)]
+fn update(p: &mut f32, g: f32, m: &mut f32, v: &mut f32, decay: f32, k: &Coefficients) {
+    let g = g * k.scale;
+    *m = k.b1 * *m + (1.0 - k.b1) * g;
+    *v = k.b2 * *v + (1.0 - k.b2) * g * g;
+    let denom = v.sqrt() / k.bc2_sqrt + k.eps;
+    *p = *p * decay - k.step_size * *m / denom;
 }
 
 #[inline(always)]
-fn adamw_scalar(
+fn adamw_f32_body(
     p: &mut [f32],
     g: &[f32],
     m: &mut [f32],
@@ -341,68 +416,63 @@ fn adamw_scalar(
     k: &Coefficients,
 ) {
     for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = g * k.scale;
-        *m = k.b1 * *m + (1.0 - k.b1) * g;
-        *v = k.b2 * *v + (1.0 - k.b2) * g * g;
-        let denom = v.sqrt() / k.bc2_sqrt + k.eps;
-        *p = *p * decay - k.step_size * *m / denom;
+        update(p, *g, m, v, decay, k);
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn adamw_avx512(
+#[inline(always)]
+fn adamw_bf16_body(
     p: &mut [f32],
-    g: &[f32],
+    g: &[u16],
     m: &mut [f32],
     v: &mut [f32],
+    w: &mut [u16],
     decay: f32,
     k: &Coefficients,
 ) {
-    adamw_scalar(p, g, m, v, decay, k);
+    let rows = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut());
+    for ((((p, g), m), v), w) in rows.zip(w.iter_mut()) {
+        update(p, bf16_value(*g), m, v, decay, k);
+        *w = bf16_bits(*p);
+    }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn adamw_avx2(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    decay: f32,
-    k: &Coefficients,
-) {
-    adamw_scalar(p, g, m, v, decay, k);
+vectorized! {
+    /// AdamW over fp32 gradients.
+    fn adamw_f32(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], decay: f32, k: &Coefficients)
+        = adamw_f32_body;
+}
+
+vectorized! {
+    /// AdamW over bf16 gradients, writing the updated weights to `w` in bf16 as well.
+    fn adamw_bf16(
+        p: &mut [f32],
+        g: &[u16],
+        m: &mut [f32],
+        v: &mut [f32],
+        w: &mut [u16],
+        decay: f32,
+        k: &Coefficients
+    ) = adamw_bf16_body;
 }
 
 /// The same arithmetic in tensor ops, for devices other than the CPU.
-#[allow(clippy::too_many_arguments)]
-fn tensor_ops(
-    p: &Tensor,
-    g: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    decayed: usize,
-    lr: f64,
-    grad_scale: f64,
-    c: AdamWConfig,
-    bc1: f64,
-    bc2: f64,
-) {
-    let g = if grad_scale == 1.0 {
+fn tensor_ops(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, s: &Step) {
+    let c = s.c;
+    let g = if s.grad_scale == 1.0 {
         g.shallow_clone()
     } else {
-        g * grad_scale
+        g * s.grad_scale
     };
     if c.weight_decay != 0.0 {
         let _ = p
-            .narrow(0, 0, decayed as i64)
-            .g_mul_scalar_(1.0 - lr * c.weight_decay);
+            .narrow(0, 0, s.decayed as i64)
+            .g_mul_scalar_(1.0 - s.lr * c.weight_decay);
     }
     let _ = m.shallow_clone().lerp_(&g, 1.0 - c.beta1);
     let _ = v.shallow_clone().lerp_(&g.square(), 1.0 - c.beta2);
-    let denom = v.sqrt() / bc2.sqrt() + c.eps;
-    let _ = p.shallow_clone().g_sub_(&(m / denom * (lr / bc1)));
+    let denom = v.sqrt() / s.bc2.sqrt() + c.eps;
+    let _ = p.shallow_clone().g_sub_(&(m / denom * (s.lr / s.bc1)));
 }
 
 /// The learning rate at optimizer step `step` (0-based) of `total`, as HF's schedulers.

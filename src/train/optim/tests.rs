@@ -112,6 +112,18 @@ fn schedules_warm_up_then_follow_their_shape() {
     assert_eq!(lr(Schedule::Constant, 100), 1.0);
 }
 
+/// The third step at lr 1e-3, gradients halved (clipping), the first 60,000 elements decayed.
+fn step_of(c: AdamWConfig) -> Step {
+    Step {
+        lr: 1e-3,
+        grad_scale: 0.5,
+        decayed: 60_000,
+        c,
+        bc1: 1.0 - c.beta1.powi(3),
+        bc2: 1.0 - c.beta2.powi(3),
+    }
+}
+
 /// The device path (tensor ops, used on CUDA) and the fused CPU loop do the same arithmetic.
 #[test]
 fn tensor_op_path_matches_the_fused_cpu_path() {
@@ -132,9 +144,9 @@ fn tensor_op_path_matches_the_fused_cpu_path() {
     let (p1, m1, v1) = fresh();
     let (p2, m2, v2) = (p1.copy(), m1.copy(), v1.copy());
     let g = Tensor::randn([n], (Kind::Float, Device::Cpu));
-    let (bc1, bc2) = (1.0 - 0.9f64.powi(3), 1.0 - 0.98f64.powi(3));
-    fused_cpu(&p1, &g, &m1, &v1, 60_000, 1e-3, 0.5, cfg, bc1, bc2);
-    tensor_ops(&p2, &g, &m2, &v2, 60_000, 1e-3, 0.5, cfg, bc1, bc2);
+    let step = step_of(cfg);
+    fused_cpu(&p1, &g, &m1, &v1, None, &step);
+    tensor_ops(&p2, &g, &m2, &v2, &step);
     for (a, b, what) in [
         (&p1, &p2, "weights"),
         (&m1, &m2, "exp_avg"),
@@ -143,4 +155,62 @@ fn tensor_op_path_matches_the_fused_cpu_path() {
         let diff = (a - b).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "{what}: max |diff| {diff}");
     }
+}
+
+/// A bf16 model's step reads its bf16 gradients and writes its bf16 weights in the same pass:
+/// the fp32 masters and moments come out exactly as from the same gradients in fp32, and the
+/// weights are the masters rounded to bf16 (to nearest, as `to_kind` rounds).
+#[test]
+fn a_bf16_step_updates_the_masters_as_fp32_and_writes_rounded_weights() {
+    tch::manual_seed(6);
+    let n = 200_001;
+    let cfg = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    let p = Tensor::randn([n], (Kind::Float, Device::Cpu));
+    let m = Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1;
+    let v = Tensor::rand([n], (Kind::Float, Device::Cpu)) * 0.01;
+    let g16 = Tensor::randn([n], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
+    let (p1, m1, v1) = (p.copy(), m.copy(), v.copy());
+    let (p2, m2, v2) = (p.copy(), m.copy(), v.copy());
+    let weights = Tensor::zeros([n], (Kind::BFloat16, Device::Cpu));
+    let step = step_of(cfg);
+    fused_cpu(&p1, &g16, &m1, &v1, Some(&weights), &step);
+    fused_cpu(&p2, &g16.to_kind(Kind::Float), &m2, &v2, None, &step);
+    for (a, b, what) in [
+        (&p1, &p2, "weights"),
+        (&m1, &m2, "exp_avg"),
+        (&v1, &v2, "exp_avg_sq"),
+    ] {
+        assert!(a.equal(b), "{what} differ between bf16 and fp32 gradients");
+    }
+    assert!(p1.to_kind(Kind::BFloat16).equal(&weights), "bf16 weights");
+    assert!(!p1.equal(&p), "the step changed nothing");
+}
+
+/// The gradient norm's own pass gives the fp64 norm of the gradients, fp32 or bf16.
+#[test]
+fn the_gradient_norm_is_the_fp64_norm_of_either_kind() {
+    tch::manual_seed(7);
+    let g = Tensor::randn([300_007], (Kind::Float, Device::Cpu)) * 3.0;
+    for g in [g.shallow_clone(), g.to_kind(Kind::BFloat16)] {
+        let want = g
+            .to_kind(Kind::Double)
+            .square()
+            .sum(Kind::Double)
+            .double_value(&[]);
+        let got = sum_of_squares_cpu(&g);
+        assert!(
+            (got - want).abs() <= 1e-12 * want,
+            "{:?}: {got} vs {want}",
+            g.kind()
+        );
+    }
+    assert_eq!(
+        sum_of_squares_cpu(&Tensor::zeros([5], (Kind::Float, Device::Cpu))),
+        0.0
+    );
 }

@@ -1,0 +1,231 @@
+//! lakeml's own CPU passes, the parts they share: a function body compiled for the vector
+//! units of the CPU it runs on ([`vectorized!`]), bf16 rounding, and a parallel loop on
+//! libtorch's own OpenMP threads ([`parallel`]), the team that has just run the previous
+//! operator and is still spinning (found at run time through libgomp's `GOMP_parallel`,
+//! which Intel's OpenMP also exports); where that entry point is missing, on rayon's.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::ops::Range;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A function over slices that the compiler vectorizes for the CPU it runs on: the body
+/// (`#[inline(always)]`) is compiled three times, for AVX-512, for AVX2 + FMA and for the
+/// baseline, and the fastest the CPU supports runs.
+macro_rules! vectorized {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $body:ident;) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                if is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU supports AVX-512F (checked just above).
+                    return unsafe { avx512($($arg),*) };
+                }
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+pub(crate) use vectorized;
+
+/// `x` rounded to the nearest bf16 (ties to even), as its bits; NaN stays NaN.
+#[inline(always)]
+pub(crate) fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    if x.is_nan() { 0x7fc0 } else { rounded }
+}
+
+/// A bf16 value (its bits) as fp32, exactly.
+#[inline(always)]
+pub(crate) fn bf16_value(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// A pointer that the threads of [`parallel`] write through, each to its own rows.
+#[derive(Clone, Copy)]
+pub(crate) struct Shared<T>(pub(crate) *mut T);
+
+// SAFETY: the callers hand each thread disjoint rows of the memory behind the pointer.
+unsafe impl<T> Send for Shared<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T> Shared<T> {
+    /// The pointer `offset` elements further on.
+    ///
+    /// # Safety
+    /// `offset` must stay inside the allocation.
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut T {
+        // SAFETY: the caller keeps `offset` inside the allocation.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// Runs `f` over `0..tasks`, split into one contiguous range per thread of libtorch's OpenMP
+/// team (as many as `tch::set_num_threads` gave the calling thread), or of rayon's pool
+/// where libtorch's OpenMP runtime cannot be found. Returns when every range is done.
+pub(crate) fn parallel(tasks: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+    match omp() {
+        Some(omp) => omp.run(tasks, f),
+        None => on_rayon(tasks, f),
+    }
+}
+
+fn on_rayon(tasks: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads().max(1);
+    (0..threads)
+        .into_par_iter()
+        .for_each(|t| f(t * tasks / threads..(t + 1) * tasks / threads));
+}
+
+/// The OpenMP entry points libtorch's own operators reach through `#pragma omp parallel`.
+struct Omp {
+    /// `GOMP_parallel(fn, data, num_threads, flags)`: runs `fn(data)` on every thread of a
+    /// team (0 threads: the calling thread's `omp_set_num_threads`), the caller included.
+    parallel: unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint),
+    thread_num: unsafe extern "C" fn() -> c_int,
+    num_threads: unsafe extern "C" fn() -> c_int,
+}
+
+/// What one [`Omp::run`] hands each thread.
+struct Job<'a> {
+    omp: &'a Omp,
+    tasks: usize,
+    f: &'a (dyn Fn(Range<usize>) + Sync),
+    panicked: AtomicBool,
+}
+
+impl Omp {
+    fn run(&self, tasks: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        let job = Job {
+            omp: self,
+            tasks,
+            f,
+            panicked: AtomicBool::new(false),
+        };
+        // SAFETY: `each` only reads `job`, which outlives the call: GOMP_parallel returns
+        // after every thread of the team has returned from `each`.
+        unsafe { (self.parallel)(each, &job as *const Job as *mut c_void, 0, 0) };
+        // A panic must not unwind through OpenMP's C frames; `each` catches it, and it is
+        // raised again here, on the caller's thread, where tch's panics surface too.
+        assert!(
+            !job.panicked.load(Ordering::Relaxed),
+            "a CPU pass panicked on an OpenMP thread"
+        );
+    }
+}
+
+extern "C" fn each(data: *mut c_void) {
+    // SAFETY: `data` is the `Job` that `Omp::run` passed, alive until every thread returns.
+    let job = unsafe { &*(data as *const Job) };
+    // SAFETY: plain OpenMP queries, made inside the parallel region.
+    let (id, team) = unsafe {
+        (
+            (job.omp.thread_num)().max(0) as usize,
+            (job.omp.num_threads)().max(1) as usize,
+        )
+    };
+    let range = id * job.tasks / team..(id + 1) * job.tasks / team;
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.f)(range)));
+    if ran.is_err() {
+        job.panicked.store(true, Ordering::Relaxed);
+    }
+}
+
+/// libtorch's OpenMP runtime, looked up once among the loaded libraries.
+fn omp() -> Option<&'static Omp> {
+    static OMP: OnceLock<Option<Omp>> = OnceLock::new();
+    OMP.get_or_init(|| {
+        let find = |name: &std::ffi::CStr| {
+            // SAFETY: dlsym with a NUL-terminated name; RTLD_DEFAULT searches the libraries
+            // already loaded (libtorch's OpenMP runtime among them).
+            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+            (!p.is_null()).then_some(p)
+        };
+        let parallel = find(c"GOMP_parallel")?;
+        let thread_num = find(c"omp_get_thread_num")?;
+        let num_threads = find(c"omp_get_num_threads")?;
+        // SAFETY: these are the OpenMP runtime's exported functions, with the signatures of
+        // libgomp's ABI (which Intel's and LLVM's OpenMP runtimes export as well).
+        unsafe {
+            Some(Omp {
+                parallel: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint),
+                >(parallel),
+                thread_num: std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> c_int>(
+                    thread_num,
+                ),
+                num_threads: std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> c_int>(
+                    num_threads,
+                ),
+            })
+        }
+    })
+    .as_ref()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use tch::{Kind, Tensor};
+
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        for x in [
+            1.0f32,
+            -2.5,
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            3.4e38,
+            1e-40,
+        ] {
+            let want = Tensor::from_slice(&[x])
+                .to_kind(Kind::BFloat16)
+                .to_kind(Kind::Float);
+            let got = bf16_value(bf16_bits(x));
+            assert_eq!(got, f32::try_from(&want).expect("scalar"), "{x}");
+        }
+        assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn every_task_runs_exactly_once_on_either_pool() {
+        assert!(omp().is_some(), "libtorch's OpenMP runtime was not found");
+        for run in [
+            parallel as fn(usize, &(dyn Fn(Range<usize>) + Sync)),
+            on_rayon,
+        ] {
+            for tasks in [0, 1, 2, 3, 7, 1000] {
+                let counts: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+                run(tasks, &|range| {
+                    for i in range {
+                        counts[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                assert!(
+                    counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                    "{tasks} tasks"
+                );
+            }
+        }
+    }
+}
