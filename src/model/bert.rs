@@ -9,8 +9,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, FeedForward, Fused, Linear, attention, attention_bias, embedding, feed_forward,
-    layer_norm, linear, project_qkv, queries,
+    Classifier, FeedForward, Fused, Linear, attention, attention_bias, dropout, embedding,
+    feed_forward, layer_norm, linear, project_qkv, queries,
 };
 use crate::error::{Error, Result};
 
@@ -24,9 +24,9 @@ pub(crate) struct Config {
     pub intermediate_size: i64,
     #[serde(default = "gelu")]
     pub hidden_act: String,
-    #[serde(default = "dropout")]
+    #[serde(default = "default_dropout")]
     pub hidden_dropout_prob: f64,
-    #[serde(default = "dropout")]
+    #[serde(default = "default_dropout")]
     pub attention_probs_dropout_prob: f64,
     #[serde(default = "max_positions")]
     pub max_position_embeddings: i64,
@@ -45,7 +45,7 @@ pub(crate) struct Config {
 fn gelu() -> String {
     "gelu".into()
 }
-fn dropout() -> f64 {
+fn default_dropout() -> f64 {
     0.1
 }
 fn max_positions() -> i64 {
@@ -145,7 +145,7 @@ impl Embeddings {
         let x = self.word.forward(input_ids)
             + self.token_type.forward(&types)
             + self.position.forward(&positions);
-        self.norm.forward(&x).dropout(self.dropout, train)
+        dropout(&self.norm.forward(&x), self.dropout, train)
     }
 }
 
@@ -218,7 +218,7 @@ impl Layer {
             train,
         );
         let x = self.attn_norm.forward(&if train {
-            self.attn_out.forward(&ctx).dropout(self.dropout, true) + q
+            dropout(&self.attn_out.forward(&ctx), self.dropout, true) + q
         } else {
             self.attn_out.forward_add(&ctx, &q)
         });
@@ -302,7 +302,7 @@ impl Classifier for BertClassifier {
         let x = self.encoder.forward_t(input_ids, attention_mask, train);
         let pooled = self.pooler.forward(&x.select(1, 0)).tanh();
         self.classifier
-            .forward(&pooled.dropout(self.dropout, train))
+            .forward(&dropout(&pooled, self.dropout, train))
             .to_kind(tch::Kind::Float)
     }
 
@@ -335,8 +335,8 @@ impl RobertaClassifier {
 impl Classifier for RobertaClassifier {
     fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
         let x = self.encoder.forward_t(input_ids, attention_mask, train);
-        let x = x.select(1, 0).dropout(self.dropout, train);
-        let x = self.dense.forward(&x).tanh().dropout(self.dropout, train);
+        let x = dropout(&x.select(1, 0), self.dropout, train);
+        let x = dropout(&self.dense.forward(&x).tanh(), self.dropout, train);
         self.out_proj.forward(&x).to_kind(tch::Kind::Float)
     }
 

@@ -8,8 +8,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, FeedForward, Fused, Linear, attention, attention_bias, embedding, feed_forward,
-    layer_norm, linear, project_qkv, queries,
+    Classifier, FeedForward, Fused, Linear, attention, attention_bias, dropout, embedding,
+    feed_forward, layer_norm, linear, project_qkv, queries,
 };
 use crate::error::{Error, Result};
 
@@ -28,9 +28,9 @@ pub(crate) struct Config {
     pub n_heads: i64,
     #[serde(default = "hidden_dim")]
     pub hidden_dim: i64,
-    #[serde(default = "dropout")]
+    #[serde(default = "default_dropout")]
     pub dropout: f64,
-    #[serde(default = "dropout")]
+    #[serde(default = "default_dropout")]
     pub attention_dropout: f64,
     #[serde(default = "gelu")]
     pub activation: String,
@@ -56,7 +56,7 @@ fn n_heads() -> i64 {
 fn hidden_dim() -> i64 {
     3072
 }
-fn dropout() -> f64 {
+fn default_dropout() -> f64 {
     0.1
 }
 fn gelu() -> String {
@@ -216,7 +216,7 @@ impl Classifier for DistilBertClassifier {
         let t = input_ids.size()[1];
         let positions = Tensor::arange(t, (tch::Kind::Int64, input_ids.device())).unsqueeze(0);
         let x = self.word.forward(input_ids) + self.position.forward(&positions);
-        let mut x = self.norm.forward(&x).dropout(self.dropout, train);
+        let mut x = dropout(&self.norm.forward(&x), self.dropout, train);
         let bias = attention_bias(attention_mask, x.kind());
         // The last block computes `[CLS]` only, in training too: the head (and so the loss)
         // reads nothing else, so the gradients are the full block's (tested below).
@@ -226,7 +226,7 @@ impl Classifier for DistilBertClassifier {
         }
         let pooled = self.pre_classifier.forward(&x.select(1, 0)).relu();
         self.classifier
-            .forward(&pooled.dropout(self.head_dropout, train))
+            .forward(&dropout(&pooled, self.head_dropout, train))
             .to_kind(tch::Kind::Float)
     }
 

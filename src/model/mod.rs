@@ -8,6 +8,7 @@ mod bert;
 mod config;
 mod deberta;
 mod distilbert;
+mod dropout;
 mod int8;
 mod linear;
 #[cfg(test)]
@@ -23,6 +24,7 @@ use tch::nn::Module;
 use tch::{Device, Tensor, nn};
 
 pub(crate) use config::{Arch, ModelConfig};
+pub(crate) use dropout::dropout;
 pub(crate) use linear::{FeedForward, Fused, Linear};
 
 use crate::error::{Error, Result};
@@ -162,9 +164,11 @@ pub(crate) fn feed_forward(
     match fused {
         Some(ffn) => ffn.forward(x, x),
         None => {
-            down.forward(&activation(act, &up.forward(x)))
-                .dropout(dropout, train)
-                + x
+            self::dropout(
+                &down.forward(&activation(act, &up.forward(x))),
+                dropout,
+                train,
+            ) + x
         }
     }
 }
@@ -253,10 +257,14 @@ pub(crate) fn attention(
     };
     let (q, k, v) = (split(q), split(k), split(v));
     let keys = k.size()[2];
-    let ctx = if !train && q.device() == tch::Device::Cpu && keys <= short_attention(q.kind()) {
+    let cpu = q.device() == tch::Device::Cpu;
+    let dropout = if train { dropout } else { 0.0 };
+    let ctx = if cpu && (dropout > 0.0 || keys <= short_attention(q.kind())) {
         // Short sequences on CPU: three batched products beat the fused kernel, whose
         // per-block overhead dominates at these sizes (about 1.6x at 27 tokens in fp32, 2x in
-        // bf16, on an AVX-512 CPU). Same arithmetic as HF's "eager" attention.
+        // bf16, on an AVX-512 CPU). Same arithmetic as HF's "eager" attention. With dropout
+        // the fused kernel would fall back to these same products, with libtorch's serial
+        // dropout; here the probabilities get lakeml's (see `dropout`).
         let d = hidden / heads;
         let bh = b * heads;
         let scores = bias
@@ -268,21 +276,11 @@ pub(crate) fn attention(
                 1.0,
                 1.0 / (d as f64).sqrt(),
             );
-        scores
-            .softmax(-1, scores.kind())
+        self::dropout(&scores.softmax(-1, scores.kind()), dropout, train)
             .bmm(&v.reshape([bh, keys, d]))
             .view([b, heads, t, d])
     } else {
-        Tensor::scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            Some(bias),
-            if train { dropout } else { 0.0 },
-            false,
-            None,
-            false,
-        )
+        Tensor::scaled_dot_product_attention(&q, &k, &v, Some(bias), dropout, false, None, false)
     };
     ctx.transpose(1, 2).reshape([b, t, hidden])
 }

@@ -24,17 +24,8 @@ use attention::{RelativeInputs, SelfAttention, relative_positions};
 pub(crate) use config::Config;
 use config::{Relative, Settings};
 
-use super::{Classifier, Linear, activation};
+use super::{Classifier, Linear, activation, dropout};
 use crate::error::Result;
-
-/// Dropout when training, the identity otherwise.
-fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
-    if train && p > 0.0 {
-        x.dropout(p, true)
-    } else {
-        x.shallow_clone()
-    }
-}
 
 /// upstream: `DebertaV2Embeddings` (embedding_size != hidden_size adds `embed_proj`).
 #[derive(Debug)]
