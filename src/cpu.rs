@@ -55,6 +55,40 @@ pub(crate) fn bf16_value(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
 }
 
+/// `x` rounded to the nearest integer (ties to even), for `|x| < 2^22`: adding 1.5 × 2^23
+/// leaves that integer in the low bits of the sum's mantissa. Unlike `as`, which must
+/// saturate and map NaN to 0, this is plain arithmetic that vectorizes.
+#[inline(always)]
+pub(crate) fn round_to_int(x: f32) -> i32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits()) as i32
+}
+
+/// `e^-x` for `x ≥ 0` (Cephes' `expf` polynomial, relative error about 1e-7), 0 from
+/// `x = 87` on; branch-free so that it vectorizes.
+#[inline(always)]
+pub(crate) fn exp_neg(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = -x;
+    let underflow = x < -87.0;
+    let x = if underflow { -87.0 } else { x };
+    let k = round_to_int(x * std::f32::consts::LOG2_E);
+    let n = k as f32;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
+        * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5)
+        * r
+        * r
+        + r
+        + 1.0;
+    let two_n = f32::from_bits(((k + 127) as u32) << 23);
+    if underflow { 0.0 } else { p * two_n }
+}
+
 /// A pointer that the threads of [`parallel`] write through, each to its own rows.
 #[derive(Clone, Copy)]
 pub(crate) struct Shared<T>(pub(crate) *mut T);

@@ -15,7 +15,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::cpu::{Shared, bf16_bits, bf16_value, parallel, vectorized};
+use crate::cpu::{Shared, bf16_bits, bf16_value, exp_neg, parallel, round_to_int, vectorized};
 
 /// The largest int8 magnitude a scale maps to (symmetric: -127..=127, -128 unused).
 pub(crate) const Q_MAX: f32 = 127.0;
@@ -246,15 +246,6 @@ fn quantize_row_body(x: &[f32], q: &mut [i8]) -> f32 {
     amax / Q_MAX
 }
 
-/// `x` rounded to the nearest integer (ties to even), for `|x| < 2^22`: adding 1.5 × 2^23
-/// leaves that integer in the low bits of the sum's mantissa. Unlike `as`, which must
-/// saturate and map NaN to 0, this is plain arithmetic that vectorizes.
-#[inline(always)]
-fn round_to_int(x: f32) -> i32 {
-    const MAGIC: f32 = 12_582_912.0;
-    (x + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits()) as i32
-}
-
 vectorized! {
     /// One row of [`rescale`].
     fn rescale_row(out: &mut [i32], s: f32, col: &[f32], bias: &[f32], residual: Option<&[f32]>)
@@ -327,31 +318,6 @@ fn erf(x: f32) -> f32 {
     let t = 1.0 / (1.0 + P * a);
     let poly = ((((A[4] * t + A[3]) * t + A[2]) * t + A[1]) * t + A[0]) * t;
     (1.0 - poly * exp_neg(a * a)).copysign(x)
-}
-
-/// `e^-x` for `x ≥ 0` (Cephes' `expf` polynomial, relative error about 1e-7), 0 from
-/// `x = 87` on; branch-free so that it vectorizes.
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = -x;
-    let underflow = x < -87.0;
-    let x = if underflow { -87.0 } else { x };
-    let k = round_to_int(x * std::f32::consts::LOG2_E);
-    let n = k as f32;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5)
-        * r
-        * r
-        + r
-        + 1.0;
-    let two_n = f32::from_bits(((k + 127) as u32) << 23);
-    if underflow { 0.0 } else { p * two_n }
 }
 
 #[cfg(test)]

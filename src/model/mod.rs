@@ -11,6 +11,7 @@ mod distilbert;
 mod dropout;
 mod int8;
 mod linear;
+mod softmax;
 #[cfg(test)]
 mod tests;
 pub(crate) mod thread;
@@ -267,18 +268,29 @@ pub(crate) fn attention(
         // dropout; here the probabilities get lakeml's (see `dropout`).
         let d = hidden / heads;
         let bh = b * heads;
-        let scores = bias
-            .expand([b, heads, t, keys], false)
-            .reshape([bh, t, keys])
-            .baddbmm(
-                &q.reshape([bh, t, d]),
-                &k.reshape([bh, keys, d]).transpose(1, 2),
-                1.0,
-                1.0 / (d as f64).sqrt(),
+        let scale = 1.0 / (d as f64).sqrt();
+        let (q, k) = (
+            q.reshape([bh, t, d]),
+            k.reshape([bh, keys, d]).transpose(1, 2),
+        );
+        let probs = if train || q.requires_grad() || keys as usize > softmax::MAX_KEYS {
+            let scores = bias
+                .expand([b, heads, t, keys], false)
+                .reshape([bh, t, keys])
+                .baddbmm(&q, &k, 1.0, scale);
+            self::dropout(&scores.softmax(-1, scores.kind()), dropout, train)
+        } else {
+            // Inference: scale, mask and softmax in one pass over the product.
+            let scores = q.bmm(&k);
+            softmax::masked_softmax_(
+                &scores,
+                &bias.reshape([b, keys]),
+                heads as usize,
+                scale as f32,
             );
-        self::dropout(&scores.softmax(-1, scores.kind()), dropout, train)
-            .bmm(&v.reshape([bh, keys, d]))
-            .view([b, heads, t, d])
+            scores
+        };
+        probs.bmm(&v.reshape([bh, keys, d])).view([b, heads, t, d])
     } else {
         Tensor::scaled_dot_product_attention(&q, &k, &v, Some(bias), dropout, false, None, false)
     };
