@@ -124,6 +124,14 @@ fn step_of(c: AdamWConfig) -> Step {
     }
 }
 
+/// Random fp32 weights and both moments (the second non-negative) of `n` parameters.
+fn optimizer_state(n: i64) -> (Tensor, Tensor, Tensor) {
+    let p = Tensor::randn([n], (Kind::Float, Device::Cpu));
+    let m = Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1;
+    let v = Tensor::rand([n], (Kind::Float, Device::Cpu)) * 0.01;
+    (p, m, v)
+}
+
 /// The device path (tensor ops, used on CUDA) and the fused CPU loop do the same arithmetic.
 #[test]
 fn tensor_op_path_matches_the_fused_cpu_path() {
@@ -135,13 +143,7 @@ fn tensor_op_path_matches_the_fused_cpu_path() {
         eps: 1e-6,
         weight_decay: 0.1,
     };
-    let fresh = || {
-        let p = Tensor::randn([n], (Kind::Float, Device::Cpu));
-        let m = Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1;
-        let v = Tensor::rand([n], (Kind::Float, Device::Cpu)) * 0.01;
-        (p, m, v)
-    };
-    let (p1, m1, v1) = fresh();
+    let (p1, m1, v1) = optimizer_state(n);
     let (p2, m2, v2) = (p1.copy(), m1.copy(), v1.copy());
     let g = Tensor::randn([n], (Kind::Float, Device::Cpu));
     let step = step_of(cfg);
@@ -170,9 +172,7 @@ fn a_bf16_step_updates_the_masters_as_fp32_and_writes_rounded_weights() {
         eps: 1e-8,
         weight_decay: 0.01,
     };
-    let p = Tensor::randn([n], (Kind::Float, Device::Cpu));
-    let m = Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.1;
-    let v = Tensor::rand([n], (Kind::Float, Device::Cpu)) * 0.01;
+    let (p, m, v) = optimizer_state(n);
     let g16 = Tensor::randn([n], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
     let (p1, m1, v1) = (p.copy(), m.copy(), v.copy());
     let (p2, m2, v2) = (p.copy(), m.copy(), v.copy());
