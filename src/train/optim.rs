@@ -270,11 +270,15 @@ fn fused_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, model: Option<&Tens
         scale: s.grad_scale as f32,
     };
     let decay = (1.0 - s.lr * c.weight_decay) as f32;
-    let bf16 = match (g.kind(), model.map(Tensor::kind)) {
-        (Kind::Float, None) => false,
-        (Kind::BFloat16, Some(Kind::BFloat16)) => true,
-        kinds => panic!("optimizer buffers of kinds {kinds:?}"),
-    };
+    // fp32 gradients alone, or bf16 gradients with the bf16 weights to write.
+    let kinds = (g.kind(), model.map(Tensor::kind));
+    assert!(
+        matches!(
+            kinds,
+            (Kind::Float, None) | (Kind::BFloat16, Some(Kind::BFloat16))
+        ),
+        "optimizer buffers of kinds {kinds:?}"
+    );
     let [p, m, v] = [p, m, v].map(|t| Shared(t.data_ptr() as *mut f32));
     let (g, w) = (
         g.data_ptr(),
@@ -296,12 +300,12 @@ fn fused_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, model: Option<&Tens
                     let m = std::slice::from_raw_parts_mut(m.at(at), len);
                     let v = std::slice::from_raw_parts_mut(v.at(at), len);
                     match w {
-                        Some(w) if bf16 => {
+                        Some(w) => {
                             let g = std::slice::from_raw_parts(g16.at(at), len);
                             let w = std::slice::from_raw_parts_mut(w.at(at), len);
                             adamw_bf16(p, g, m, v, w, decay, &k);
                         }
-                        _ => {
+                        None => {
                             let g = std::slice::from_raw_parts(g32.at(at), len);
                             adamw_f32(p, g, m, v, decay, &k);
                         }
