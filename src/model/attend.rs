@@ -98,6 +98,7 @@ pub(crate) fn attention(
             && qs[0] == ks[0]
             && qs[2] == ks[2]
             && qs[1] > 0
+            && ks[1] > 0
             && [&k, &v].iter().all(|x| x.kind() == kind)
             && [&q, &k, &v].iter().all(|x| x.device() == Device::Cpu)
             && matches!(kind, Kind::Float | Kind::BFloat16)
@@ -348,22 +349,7 @@ mod x86 {
                 }
             }
             for block in (0..kp).step_by(BLOCK) {
-                let mut acc = [_mm512_setzero_ps(); 2 * QUERY_BLOCK];
-                for c in 0..dim {
-                    let k = &keys_t[c * kp + block..][..BLOCK];
-                    // SAFETY: `k` holds BLOCK = 2 × LANES elements.
-                    let (k0, k1) = unsafe {
-                        (
-                            _mm512_loadu_ps(k.as_ptr()),
-                            _mm512_loadu_ps(k.as_ptr().add(LANES)),
-                        )
-                    };
-                    for i in 0..QUERY_BLOCK {
-                        let x = _mm512_set1_ps(s.queries[i * dim + c]);
-                        acc[2 * i] = _mm512_fmadd_ps(x, k0, acc[2 * i]);
-                        acc[2 * i + 1] = _mm512_fmadd_ps(x, k1, acc[2 * i + 1]);
-                    }
-                }
+                let acc = sums(&s.queries, dim, &keys_t[block..], kp, dim);
                 for i in 0..QUERY_BLOCK {
                     let row = &mut s.scores[i * kp + block..][..BLOCK];
                     store(row, acc[2 * i], acc[2 * i + 1]);
@@ -376,22 +362,7 @@ mod x86 {
                 softmax(row);
             }
             for block in (0..dp).step_by(BLOCK) {
-                let mut acc = [_mm512_setzero_ps(); 2 * QUERY_BLOCK];
-                for j in 0..keys {
-                    let v = &values[j * dp + block..][..BLOCK];
-                    // SAFETY: `v` holds BLOCK = 2 × LANES elements.
-                    let (v0, v1) = unsafe {
-                        (
-                            _mm512_loadu_ps(v.as_ptr()),
-                            _mm512_loadu_ps(v.as_ptr().add(LANES)),
-                        )
-                    };
-                    for i in 0..QUERY_BLOCK {
-                        let p = _mm512_set1_ps(s.scores[i * kp + j]);
-                        acc[2 * i] = _mm512_fmadd_ps(p, v0, acc[2 * i]);
-                        acc[2 * i + 1] = _mm512_fmadd_ps(p, v1, acc[2 * i + 1]);
-                    }
-                }
+                let acc = sums(&s.scores, kp, &values[block..], dp, keys);
                 let columns = h * dim + block..h * dim + dim.min(block + BLOCK);
                 for i in 0..QUERY_BLOCK.min(queries - first) {
                     let mut ctx = [0f32; BLOCK];
@@ -403,6 +374,39 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// For each of a block's [`QUERY_BLOCK`] queries `i`, the sum over `n < count` of
+    /// `weights[i * stride + n]` times the first [`BLOCK`] elements of row `n` of `rows`
+    /// (rows `row` apart), as two vectors each: a block of scores (weights: the queries'
+    /// channels; rows: the transposed keys) or of context channels (weights: the
+    /// probabilities; rows: the values).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn sums(
+        weights: &[f32],
+        stride: usize,
+        rows: &[f32],
+        row: usize,
+        count: usize,
+    ) -> [__m512; 2 * QUERY_BLOCK] {
+        let mut acc = [_mm512_setzero_ps(); 2 * QUERY_BLOCK];
+        for n in 0..count {
+            let r = &rows[n * row..][..BLOCK];
+            // SAFETY: `r` holds BLOCK = 2 × LANES elements.
+            let (r0, r1) = unsafe {
+                (
+                    _mm512_loadu_ps(r.as_ptr()),
+                    _mm512_loadu_ps(r.as_ptr().add(LANES)),
+                )
+            };
+            for i in 0..QUERY_BLOCK {
+                let w = _mm512_set1_ps(weights[i * stride + n]);
+                acc[2 * i] = _mm512_fmadd_ps(w, r0, acc[2 * i]);
+                acc[2 * i + 1] = _mm512_fmadd_ps(w, r1, acc[2 * i + 1]);
+            }
+        }
+        acc
     }
 
     /// Two vectors into the first [`BLOCK`] elements of `row`.
