@@ -1,15 +1,15 @@
-//! Inference attention over short sequences in one pass per (sequence, head), on CPUs with
-//! AVX-512.
+//! Inference attention over short sequences in one pass per sequence, on CPUs with AVX-512.
 //!
 //! As tensor ops, a short sequence's attention is mostly overhead: its queries, keys and
 //! values are copied out of the `[batch, seq, heads × dim]` projections into per-head
 //! batches for `bmm`, its ~30-key score rows are too short for libtorch's softmax loop, and
 //! the context is copied back into `[batch, seq, hidden]` for the output projection. Here
-//! each task takes one head of one sequence straight from the projections: it loads that
-//! head's keys (transposed) and values into fp32 scratch that stays in L1, computes its
-//! queries' scaled, masked scores, their softmax and the weighted sums of values in fp32,
-//! and writes the context into place, in the model's dtype. Tasks run on libtorch's OpenMP
-//! team. For inference: nothing tracks gradients.
+//! each task takes one sequence straight from the projections, reading its rows whole: it
+//! loads the keys (transposed) and values of every head into fp32 scratch that stays in
+//! cache, then for each head computes the queries' scaled, masked scores, their softmax and
+//! the weighted sums of values in fp32, and writes that head's columns of the context rows,
+//! in the model's dtype. Tasks run on libtorch's OpenMP team. For inference: nothing tracks
+//! gradients.
 
 use tch::{Device, Kind, Tensor};
 
@@ -42,7 +42,7 @@ pub(crate) fn available() -> bool {
 }
 
 /// An element of the projections and the context: fp32, or bf16 as its bits.
-trait Element: Copy + Default + Send + Sync {
+trait Element: Copy {
     fn value(self) -> f32;
     fn from_value(x: f32) -> Self;
 }
