@@ -294,9 +294,10 @@ pub(crate) fn attention(
 }
 
 /// The longest key sequence for which inference on CPU computes attention with lakeml's own
-/// pass (`attend`, on AVX-512). Measured against the batched products and the fused SDPA
-/// kernel (2 threads, 12 heads of 32 channels): about 2x faster than either at 30 keys, even
-/// from 64 to 96, slower at 128.
+/// pass (`attend`, on AVX-512). Measured alone against the batched products and the fused
+/// SDPA kernel (2 threads, 12 heads of 32 channels, 136 sequences of 30 keys): in bf16
+/// 4.4-5.0 ms against 7.8-9.3 and 6.0-9.8; in fp32 5.2-6.0 against 5.1-6.9 and 6.4-8.8
+/// (in a model it also saves the products' copies); even from 64 to 96 keys, slower at 128.
 const OWN_ATTENTION_KEYS: i64 = 96;
 
 /// The longest key sequence for which attention on CPU runs as batched products rather than
