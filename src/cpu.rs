@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// (`#[inline(always)]`) is compiled three times, for AVX-512, for AVX2 + FMA and for the
 /// baseline, and the fastest the CPU supports runs.
 macro_rules! vectorized {
-    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $body:ident;) => {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $body:path;) => {
         $(#[$doc])*
         fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
@@ -87,6 +87,57 @@ pub(crate) fn exp_neg(x: f32) -> f32 {
         + 1.0;
     let two_n = f32::from_bits(((k + 127) as u32) << 23);
     if underflow { 0.0 } else { p * two_n }
+}
+
+/// The error function, as PyTorch's vectorized CPU kernels compute it (Abramowitz and
+/// Stegun 7.1.26, absolute error below 1.5e-7), branch-free so that it vectorizes.
+#[inline(always)]
+pub(crate) fn erf(x: f32) -> f32 {
+    const P: f32 = 0.327_591_1;
+    const A: [f32; 5] = [
+        0.254_829_6,
+        -0.284_496_74,
+        1.421_413_8,
+        -1.453_152,
+        1.061_405_4,
+    ];
+    let a = x.abs();
+    let t = 1.0 / (1.0 + P * a);
+    let poly = ((((A[4] * t + A[3]) * t + A[2]) * t + A[1]) * t + A[0]) * t;
+    (1.0 - poly * exp_neg(a * a)).copysign(x)
+}
+
+/// An element of a float tensor that lakeml's own passes read and write: fp32, or bf16 as
+/// its bits; arithmetic is in fp32 either way.
+pub(crate) trait Element: Copy {
+    /// bf16 (16-bit) rather than fp32.
+    const BF16: bool;
+    fn value(self) -> f32;
+    fn from_value(x: f32) -> Self;
+}
+
+impl Element for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_value(x: f32) -> Self {
+        x
+    }
+}
+
+impl Element for u16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn value(self) -> f32 {
+        bf16_value(self)
+    }
+    #[inline(always)]
+    fn from_value(x: f32) -> Self {
+        bf16_bits(x)
+    }
 }
 
 /// A pointer that the threads of [`parallel`] write through, each to its own rows.

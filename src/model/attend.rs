@@ -13,7 +13,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::cpu::{Shared, bf16_bits, bf16_value, exp_neg, parallel};
+use crate::cpu::{Element, Shared, exp_neg, parallel};
 
 /// Vector width (16 fp32 lanes: one AVX-512 register).
 const LANES: usize = 16;
@@ -29,11 +29,13 @@ const BLOCK: usize = 2 * LANES;
 /// Score padding past the last key: far below any score, so that its exponential is 0.
 const PAD: f32 = -1e30;
 
-/// Whether this CPU runs [`attention`] (AVX-512).
+/// Whether this CPU runs [`attention`] (AVX-512 F, BW and VL).
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -41,45 +43,32 @@ pub(crate) fn available() -> bool {
     }
 }
 
-/// An element of the projections and the context: fp32, or bf16 as its bits.
-trait Element: Copy {
-    fn value(self) -> f32;
-    fn from_value(x: f32) -> Self;
-}
-
-impl Element for f32 {
-    #[inline(always)]
-    fn value(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn from_value(x: f32) -> Self {
-        x
-    }
-}
-
-impl Element for u16 {
-    #[inline(always)]
-    fn value(self) -> f32 {
-        bf16_value(self)
-    }
-    #[inline(always)]
-    fn from_value(x: f32) -> Self {
-        bf16_bits(x)
-    }
+/// Whether [`attention`] runs queries `q` over keys `k`: inference (nothing needs a
+/// gradient) on an AVX-512 CPU, in fp32 or bf16, over at most
+/// [`super::OWN_ATTENTION_KEYS`] keys.
+pub(crate) fn runs(q: &Tensor, k: &Tensor) -> bool {
+    let keys = k.size().get(1).copied().unwrap_or(0);
+    q.device() == Device::Cpu
+        && matches!(q.kind(), Kind::Float | Kind::BFloat16)
+        && !q.requires_grad()
+        && !k.requires_grad()
+        && keys <= super::OWN_ATTENTION_KEYS
+        && available()
 }
 
 /// Multi-head attention of `q` `[batch, queries, hidden]` over `k` and `v`
 /// `[batch, keys, hidden]` (fp32 or bf16, all one kind, on the CPU; each row contiguous, rows
-/// at any stride, such as column ranges of one fused projection), with the additive mask
-/// `bias` (`[batch, 1, 1, keys]`, see [`super::attention_bias`]) and scores scaled by
-/// `scale`: the context `[batch, queries, hidden]`, contiguous, in the inputs' kind.
-/// Only where [`available`].
+/// at any stride, such as column ranges of one fused projection), each plus its `hidden`
+/// bias values in `biases` if given (for projections computed without them), with the
+/// additive mask `mask` (`[batch, 1, 1, keys]`, see [`super::attention_bias`]) and scores
+/// scaled by `scale`: the context `[batch, queries, hidden]`, contiguous, in the inputs'
+/// kind. Only where [`available`].
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    bias: &Tensor,
+    biases: Option<[&[f32]; 3]>,
+    mask: &Tensor,
     heads: usize,
     scale: f32,
 ) -> Tensor {
@@ -115,9 +104,19 @@ pub(crate) fn attention(
         ks[1] as usize,
         qs[2] as usize,
     );
-    let bias =
-        Vec::<f32>::try_from(bias.to_kind(Kind::Float).reshape([-1])).expect("an fp32 CPU bias");
-    assert_eq!(bias.len(), batch * keys, "the mask does not fit the keys");
+    let mask =
+        Vec::<f32>::try_from(mask.to_kind(Kind::Float).reshape([-1])).expect("an fp32 CPU mask");
+    assert_eq!(mask.len(), batch * keys, "the mask does not fit the keys");
+    let biases = match biases {
+        Some(b) => {
+            assert!(
+                b.iter().all(|b| b.len() == hidden),
+                "projection biases want {hidden} values each"
+            );
+            b.map(<[f32]>::to_vec)
+        }
+        None => [0, 1, 2].map(|_| vec![0.0; hidden]),
+    };
     let shape = Shape {
         batch,
         queries,
@@ -128,6 +127,7 @@ pub(crate) fn attention(
         q: strides(&q),
         k: strides(&k),
         v: strides(&v),
+        biases,
         scale,
     };
     let ctx = Tensor::empty(
@@ -135,9 +135,9 @@ pub(crate) fn attention(
         (kind, Device::Cpu),
     );
     if kind == Kind::BFloat16 {
-        run::<u16>(&shape, [&q, &k, &v], &bias, &ctx);
+        run::<u16>(&shape, [&q, &k, &v], &mask, &ctx);
     } else {
-        run::<f32>(&shape, [&q, &k, &v], &bias, &ctx);
+        run::<f32>(&shape, [&q, &k, &v], &mask, &ctx);
     }
     ctx
 }
@@ -160,6 +160,8 @@ struct Shape {
     q: [usize; 2],
     k: [usize; 2],
     v: [usize; 2],
+    /// The query, key and value biases (`hidden` each; zeros where none were given).
+    biases: [Vec<f32>; 3],
     scale: f32,
 }
 
@@ -181,17 +183,18 @@ struct Sequence<'a, E> {
     q: &'a [E],
     k: &'a [E],
     v: &'a [E],
-    bias: &'a [f32],
+    mask: &'a [f32],
 }
 
 /// A thread's fp32 working memory, zero past the real keys and channels: one sequence's
-/// keys, transposed head by head (`dim` rows of [`Shape::padded_keys`] per head), its values
-/// head by head (`keys` rows of [`Shape::padded_dim`] per head), its mask padded with
-/// [`PAD`], and for a block of queries, their rows and score rows.
+/// keys with their bias, transposed (`hidden` rows of [`Shape::padded_keys`]: head `h`'s
+/// are rows `h × dim..(h + 1) × dim`), its values with their bias head by head (`keys` rows
+/// of [`Shape::padded_dim`] per head), its mask padded with [`PAD`], and for a block of
+/// queries, their rows (with their bias, scaled) and score rows.
 struct Scratch {
     keys_t: Vec<f32>,
     values: Vec<f32>,
-    bias: Vec<f32>,
+    mask: Vec<f32>,
     queries: Vec<f32>,
     scores: Vec<f32>,
 }
@@ -200,9 +203,9 @@ impl Scratch {
     fn new(shape: &Shape) -> Self {
         let (kp, dp) = (shape.padded_keys(), shape.padded_dim());
         Self {
-            keys_t: vec![0.0; shape.heads * shape.dim * kp],
+            keys_t: vec![0.0; shape.hidden * kp],
             values: vec![0.0; shape.heads * shape.keys * dp],
-            bias: vec![0.0; kp],
+            mask: vec![0.0; kp],
             queries: vec![0.0; QUERY_BLOCK * shape.dim],
             scores: vec![0.0; QUERY_BLOCK * kp],
         }
@@ -211,7 +214,7 @@ impl Scratch {
 
 /// One task per sequence: it reads the sequence's rows whole (in order, which the
 /// hardware prefetches well) and writes its context rows, which no other task touches.
-fn run<E: Element>(shape: &Shape, [q, k, v]: [&Tensor; 3], bias: &[f32], ctx: &Tensor) {
+fn run<E: Element>(shape: &Shape, [q, k, v]: [&Tensor; 3], mask: &[f32], ctx: &Tensor) {
     let Shape {
         batch,
         queries,
@@ -236,54 +239,23 @@ fn run<E: Element>(shape: &Shape, [q, k, v]: [&Tensor; 3], bias: &[f32], ctx: &T
                 q: part(q_base, shape.q, queries),
                 k: part(k_base, shape.k, keys),
                 v: part(v_base, shape.v, keys),
-                bias: &bias[b * keys..(b + 1) * keys],
+                mask: &mask[b * keys..(b + 1) * keys],
             };
             // SAFETY: `ctx` is a contiguous [batch, queries, hidden] tensor, of which only
             // this task writes sequence b's rows.
             let out = unsafe {
                 std::slice::from_raw_parts_mut(out.at(b * queries * hidden), queries * hidden)
             };
-            load(shape, &sequence, &mut scratch);
-            for h in 0..shape.heads {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `attention` checked that the CPU has AVX-512.
-                unsafe {
-                    x86::head(shape, h, &sequence, &mut scratch, out)
-                };
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `attention` checked that the CPU has AVX-512 (F, BW, VL).
+            unsafe {
+                x86::load(shape, &sequence, &mut scratch);
+                for h in 0..shape.heads {
+                    x86::head(shape, h, &sequence, &mut scratch, out);
+                }
             }
         }
     });
-}
-
-/// Loads a sequence's keys (transposed, head by head), values and mask into `s`, zero or
-/// [`PAD`] past the real keys and channels.
-#[inline(always)]
-fn load<E: Element>(shape: &Shape, seq: &Sequence<E>, s: &mut Scratch) {
-    let Shape {
-        keys, dim, heads, ..
-    } = *shape;
-    let (kp, dp) = (shape.padded_keys(), shape.padded_dim());
-    for j in 0..keys {
-        let k = &seq.k[j * shape.k[1]..][..heads * dim];
-        for (c, &x) in k.iter().enumerate() {
-            s.keys_t[c * kp + j] = x.value();
-        }
-        let v = &seq.v[j * shape.v[1]..][..heads * dim];
-        for (h, v) in v.chunks_exact(dim).enumerate() {
-            let row = &mut s.values[(h * keys + j) * dp..][..dp];
-            for (y, &x) in row.iter_mut().zip(v) {
-                *y = x.value();
-            }
-            row[dim..].fill(0.0);
-        }
-    }
-    if keys < kp {
-        for row in s.keys_t.chunks_exact_mut(kp) {
-            row[keys..].fill(0.0);
-        }
-    }
-    s.bias[..keys].copy_from_slice(seq.bias);
-    s.bias[keys..].fill(PAD);
 }
 
 /// Softmax of `x` (whose length is a multiple of [`LANES`]), in place.
@@ -310,17 +282,168 @@ fn softmax(x: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps,
-        _mm512_storeu_ps,
+        __m512, __mmask16, _CMP_UNORD_Q, _mm256_mask_storeu_epi16, _mm256_maskz_loadu_epi16,
+        _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512, _mm512_castpd_ps, _mm512_castps_pd,
+        _mm512_castps_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_cvtepi32_epi16,
+        _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_mov_epi32,
+        _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi32,
+        _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_f32x4, _mm512_slli_epi32,
+        _mm512_srli_epi32, _mm512_storeu_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
+        _mm512_unpacklo_pd, _mm512_unpacklo_ps,
     };
 
-    use super::{BLOCK, Element, LANES, QUERY_BLOCK, Scratch, Sequence, Shape, softmax};
+    use super::{BLOCK, Element, LANES, PAD, QUERY_BLOCK, Scratch, Sequence, Shape, softmax};
+
+    /// The first `count` of [`LANES`] lanes.
+    #[inline(always)]
+    fn first(count: usize) -> __mmask16 {
+        if count >= LANES {
+            u16::MAX
+        } else {
+            (1u16 << count) - 1
+        }
+    }
+
+    /// The first `count` (≤ [`LANES`]) elements at `src` as fp32 lanes, zeros past them.
+    ///
+    /// # Safety
+    /// `count` elements at `src` must be readable; nothing past them is read.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn read<E: Element>(src: *const E, count: usize) -> __m512 {
+        let m = first(count);
+        // SAFETY: masked loads touch only the caller's `count` elements.
+        unsafe {
+            if E::BF16 {
+                let bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src as *const i16));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
+            } else {
+                _mm512_maskz_loadu_ps(m, src as *const f32)
+            }
+        }
+    }
+
+    /// The first `count` (≤ [`LANES`]) lanes of `x` to `dst`, as E (bf16 rounded to nearest,
+    /// ties to even, as [`crate::cpu::bf16_bits`]).
+    ///
+    /// # Safety
+    /// `count` elements at `dst` must be writable; nothing past them is written.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn write<E: Element>(dst: *mut E, x: __m512, count: usize) {
+        let m = first(count);
+        // SAFETY: masked stores touch only the caller's `count` elements.
+        unsafe {
+            if E::BF16 {
+                let bits = _mm512_castps_si512(x);
+                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+                let half = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, half));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                let out = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+                _mm256_mask_storeu_epi16(dst as *mut i16, m, _mm512_cvtepi32_epi16(out));
+            } else {
+                _mm512_mask_storeu_ps(dst as *mut f32, m, x);
+            }
+        }
+    }
+
+    /// A 16 × 16 block transposed: lane `j` of row `c` of the result is lane `c` of row `j`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn transpose(r: [__m512; LANES]) -> [__m512; LANES] {
+        let pd = _mm512_castps_pd;
+        let ps = _mm512_castpd_ps;
+        // Pairs of rows interleaved by element, then by pairs of elements: each 128-bit
+        // lane of a result holds a 4 × 4 block.
+        let mut t = [_mm512_setzero_ps(); LANES];
+        for i in 0..LANES / 2 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_ps(); LANES];
+        for g in 0..LANES / 4 {
+            let [a, b, c, d] = [t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3]];
+            u[4 * g] = ps(_mm512_unpacklo_pd(pd(a), pd(c)));
+            u[4 * g + 1] = ps(_mm512_unpackhi_pd(pd(a), pd(c)));
+            u[4 * g + 2] = ps(_mm512_unpacklo_pd(pd(b), pd(d)));
+            u[4 * g + 3] = ps(_mm512_unpackhi_pd(pd(b), pd(d)));
+        }
+        // Then 128-bit lanes: across groups of 4 rows, then of 8.
+        let mut v = [_mm512_setzero_ps(); LANES];
+        for h in 0..2 {
+            for i in 0..4 {
+                let (a, b) = (u[8 * h + i], u[8 * h + 4 + i]);
+                v[8 * h + i] = _mm512_shuffle_f32x4::<0x88>(a, b);
+                v[8 * h + 4 + i] = _mm512_shuffle_f32x4::<0xdd>(a, b);
+            }
+        }
+        let mut w = [_mm512_setzero_ps(); LANES];
+        for i in 0..8 {
+            w[i] = _mm512_shuffle_f32x4::<0x88>(v[i], v[8 + i]);
+            w[8 + i] = _mm512_shuffle_f32x4::<0xdd>(v[i], v[8 + i]);
+        }
+        w
+    }
+
+    /// Loads a sequence's keys (with their bias, transposed 16 × 16 at a time), values (with
+    /// theirs) and mask into `s`, zero or [`PAD`] past the real keys and channels.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn load<E: Element>(shape: &Shape, seq: &Sequence<E>, s: &mut Scratch) {
+        let Shape {
+            keys,
+            hidden,
+            dim,
+            heads,
+            ..
+        } = *shape;
+        let (kp, dp) = (shape.padded_keys(), shape.padded_dim());
+        let [_, key_bias, value_bias] = &shape.biases;
+        for j0 in (0..kp).step_by(LANES) {
+            for c0 in (0..hidden).step_by(LANES) {
+                let n = (hidden - c0).min(LANES);
+                // SAFETY: `n` bias values and key elements from column c0, within the row.
+                let bias = unsafe { read(key_bias[c0..].as_ptr(), n) };
+                let mut rows = [_mm512_setzero_ps(); LANES];
+                for (i, row) in rows.iter_mut().enumerate().take(keys.saturating_sub(j0)) {
+                    let src = &seq.k[(j0 + i) * shape.k[1] + c0..][..n];
+                    *row = _mm512_add_ps(unsafe { read(src.as_ptr(), n) }, bias);
+                }
+                for (c, column) in transpose(rows).into_iter().enumerate().take(n) {
+                    let dst = &mut s.keys_t[(c0 + c) * kp + j0..][..LANES];
+                    // SAFETY: `dst` holds LANES elements.
+                    unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), column) };
+                }
+            }
+        }
+        for j in 0..keys {
+            let row = &seq.v[j * shape.v[1]..][..hidden];
+            for h in 0..heads {
+                let dst = &mut s.values[(h * keys + j) * dp..][..dp];
+                for c in (0..dp).step_by(LANES) {
+                    let n = dim.saturating_sub(c).min(LANES);
+                    let at = (h * dim + c).min(hidden);
+                    // SAFETY: `n` value and bias elements from column `at`, within the row;
+                    // `dst` holds LANES elements from c (dp is a multiple of LANES).
+                    unsafe {
+                        let x = _mm512_add_ps(
+                            read(row[at..].as_ptr(), n),
+                            read(value_bias[at..].as_ptr(), n),
+                        );
+                        _mm512_storeu_ps(dst[c..].as_mut_ptr(), x);
+                    }
+                }
+            }
+        }
+        s.mask[..keys].copy_from_slice(seq.mask);
+        s.mask[keys..].fill(PAD);
+    }
 
     /// Head `h` of a sequence (loaded into `s`): its columns of the context rows `out`
     /// (`queries` rows of `hidden`). Queries go [`QUERY_BLOCK`] at a time; for each, a block
     /// of [`BLOCK`] scores, then a block of [`BLOCK`] context channels, is summed in
     /// registers.
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub(super) fn head<E: Element>(
         shape: &Shape,
         h: usize,
@@ -337,24 +460,38 @@ mod x86 {
             ..
         } = *shape;
         let (kp, dp) = (shape.padded_keys(), shape.padded_dim());
-        let q_row = shape.q[1];
         let keys_t = &s.keys_t[h * dim * kp..][..dim * kp];
         let values = &s.values[h * keys * dp..][..keys * dp];
+        let query_bias = &shape.biases[0][h * dim..][..dim];
+        let scale = _mm512_set1_ps(scale);
         for first in (0..queries).step_by(QUERY_BLOCK) {
             // Past the last query, the block repeats it; those rows are not written.
             for (i, q) in s.queries.chunks_exact_mut(dim).enumerate() {
                 let r = (first + i).min(queries - 1);
-                for (y, &x) in q.iter_mut().zip(&seq.q[r * q_row + h * dim..][..dim]) {
-                    *y = x.value() * scale;
+                let src = &seq.q[r * shape.q[1] + h * dim..][..dim];
+                for c in (0..dim).step_by(LANES) {
+                    let n = (dim - c).min(LANES);
+                    // SAFETY: `n` elements from c in `src`, `query_bias` and `q`.
+                    unsafe {
+                        let x = _mm512_add_ps(
+                            read(src[c..].as_ptr(), n),
+                            read(query_bias[c..].as_ptr(), n),
+                        );
+                        write(q[c..].as_mut_ptr(), _mm512_mul_ps(x, scale), n);
+                    }
                 }
             }
             for block in (0..kp).step_by(BLOCK) {
                 let acc = sums(&s.queries, dim, &keys_t[block..], kp, dim);
+                // SAFETY: the mask holds kp ≥ block + BLOCK elements.
+                let mask =
+                    unsafe { [0, LANES].map(|l| _mm512_loadu_ps(s.mask[block + l..].as_ptr())) };
                 for i in 0..QUERY_BLOCK {
                     let row = &mut s.scores[i * kp + block..][..BLOCK];
-                    store(row, acc[2 * i], acc[2 * i + 1]);
-                    for (x, &b) in row.iter_mut().zip(&s.bias[block..block + BLOCK]) {
-                        *x += b;
+                    for l in 0..2 {
+                        let x = _mm512_add_ps(acc[2 * i + l], mask[l]);
+                        // SAFETY: `row` holds BLOCK = 2 × LANES elements.
+                        unsafe { _mm512_storeu_ps(row[l * LANES..].as_mut_ptr(), x) };
                     }
                 }
             }
@@ -363,13 +500,16 @@ mod x86 {
             }
             for block in (0..dp).step_by(BLOCK) {
                 let acc = sums(&s.scores, kp, &values[block..], dp, keys);
-                let columns = h * dim + block..h * dim + dim.min(block + BLOCK);
                 for i in 0..QUERY_BLOCK.min(queries - first) {
-                    let mut ctx = [0f32; BLOCK];
-                    store(&mut ctx, acc[2 * i], acc[2 * i + 1]);
-                    let row = &mut out[(first + i) * hidden..][columns.clone()];
-                    for (y, &x) in row.iter_mut().zip(&ctx) {
-                        *y = E::from_value(x);
+                    let row = &mut out[(first + i) * hidden + h * dim..][..dim];
+                    for l in 0..2 {
+                        let c = block + l * LANES;
+                        if c < dim {
+                            // SAFETY: `row` holds dim elements, of which those from c.
+                            unsafe {
+                                write(row[c..].as_mut_ptr(), acc[2 * i + l], (dim - c).min(LANES))
+                            };
+                        }
                     }
                 }
             }
@@ -408,46 +548,45 @@ mod x86 {
         }
         acc
     }
-
-    /// Two vectors into the first [`BLOCK`] elements of `row`.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn store(row: &mut [f32], a: __m512, b: __m512) {
-        let row = &mut row[..BLOCK];
-        // SAFETY: `row` holds BLOCK = 2 × LANES elements.
-        unsafe {
-            _mm512_storeu_ps(row.as_mut_ptr(), a);
-            _mm512_storeu_ps(row.as_mut_ptr().add(LANES), b);
-        }
-    }
 }
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::attention_bias;
 
-    /// libtorch's eager attention in fp32: `softmax(q kᵀ · scale + bias) v`, per head.
-    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, heads: i64) -> Tensor {
-        let split = |x: &Tensor| {
+    /// libtorch's eager attention in fp32: `softmax(q kᵀ · scale + bias) v`, per head, after
+    /// adding the projection biases `biases` to q, k and v.
+    fn reference(
+        [q, k, v]: [&Tensor; 3],
+        biases: &[Tensor; 3],
+        bias: &Tensor,
+        heads: i64,
+    ) -> Tensor {
+        let split = |x: &Tensor, b: &Tensor| {
             let s = x.size();
-            x.to_kind(Kind::Float)
+            (x.to_kind(Kind::Float) + b)
                 .reshape([s[0], s[1], heads, s[2] / heads])
                 .transpose(1, 2)
         };
-        let (qh, kh, vh) = (split(q), split(k), split(v));
-        let d = qh.size()[3];
-        let scores = qh.matmul(&kh.transpose(2, 3)) / (d as f64).sqrt() + bias.to_kind(Kind::Float);
-        let ctx = scores.softmax(-1, Kind::Float).matmul(&vh).transpose(1, 2);
-        let s = q.size();
-        ctx.reshape([s[0], s[1], s[2]])
+        let (q, k, v) = (
+            split(q, &biases[0]),
+            split(k, &biases[1]),
+            split(v, &biases[2]),
+        );
+        let d = q.size()[3];
+        let scores = q.matmul(&k.transpose(2, 3)) / (d as f64).sqrt() + bias.to_kind(Kind::Float);
+        let ctx = scores.softmax(-1, Kind::Float).matmul(&v).transpose(1, 2);
+        let s = ctx.size();
+        ctx.reshape([s[0], s[1], s[2] * s[3]])
     }
 
     #[test]
     fn matches_libtorchs_attention_over_a_fused_projection() {
         tch::manual_seed(21);
         let batch = 3;
-        // Heads of 16 channels (less than a block) and of 64 (two blocks).
-        for ((heads, hidden), kind) in [(4, 64), (2, 128)]
+        // Heads of 16 channels (less than a block), of 64 (two blocks), and of 12 (rows of 36:
+        // not whole vectors).
+        for ((heads, hidden), kind) in [(4, 64), (2, 128), (3, 36)]
             .into_iter()
             .flat_map(|shape| [(shape, Kind::Float), (shape, Kind::BFloat16)])
         {
@@ -466,11 +605,24 @@ mod tests {
                     .lt_tensor(&lengths.unsqueeze(1));
                 let bias = attention_bias(&mask, kind);
                 let scale = 1.0 / ((hidden / heads) as f32).sqrt();
-                let want = reference(&q, &k, &v, &bias, heads);
+                // Projections computed without their biases, which the pass adds.
+                let biases = [0, 1, 2].map(|_| Tensor::randn([hidden], (Kind::Float, Device::Cpu)));
+                let values = biases
+                    .each_ref()
+                    .map(|b| Vec::<f32>::try_from(b).expect("bias"));
+                let want = reference([&q, &k, &v], &biases, &bias, heads);
                 // Every query, and the first alone (a classifier's last layer).
                 for queries in [keys, 1] {
                     let q = q.narrow(1, 0, queries);
-                    let got = attention(&q, &k, &v, &bias, heads as usize, scale);
+                    let got = attention(
+                        &q,
+                        &k,
+                        &v,
+                        Some([&values[0], &values[1], &values[2]]),
+                        &bias,
+                        heads as usize,
+                        scale,
+                    );
                     assert_eq!(
                         (got.size(), got.kind(), got.is_contiguous()),
                         (vec![batch, queries, hidden], kind, true)
@@ -478,14 +630,16 @@ mod tests {
                     let want = want.narrow(1, 0, queries);
                     // Each element within a tolerance relative to its size: fp32, summation
                     // order; bf16, the inputs are the same bf16 values and the arithmetic is
-                    // fp32, so only the output's rounding (half an ulp: 2^-9 relative).
+                    // fp32, so only the output's rounding (half an ulp: 2^-9 relative). Plus,
+                    // for a context near 0, the rounding of the values it sums (values with
+                    // their bias reach ~10: a few ulps of 10, 4e-6).
                     let relative = if kind == Kind::Float {
                         1e-5
                     } else {
                         2f64.powi(-8)
                     };
                     let excess =
-                        ((got.to_kind(Kind::Float) - &want).abs() - want.abs() * relative - 1e-6)
+                        ((got.to_kind(Kind::Float) - &want).abs() - want.abs() * relative - 4e-6)
                             .max()
                             .double_value(&[]);
                     assert!(
@@ -506,21 +660,45 @@ mod tests {
             [0, 1, 2].map(|_| Tensor::randn([1, keys, hidden], (Kind::Float, Device::Cpu)));
         let mask = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 0, 0, 0]).unsqueeze(0);
         let bias = attention_bias(&mask, Kind::Float);
-        let full = attention(&q, &k, &v, &bias, heads, 0.5);
+        let full = attention(&q, &k, &v, None, &bias, heads, 0.5);
         // Whatever the padded keys and values hold, the context is that of the six real ones.
         let (k2, v2) = (k.copy(), v.copy());
         let _ = k2.narrow(1, 6, 3).fill_(1e4);
         let _ = v2.narrow(1, 6, 3).fill_(-1e4);
-        let changed = attention(&q, &k2, &v2, &bias, heads, 0.5);
+        let changed = attention(&q, &k2, &v2, None, &bias, heads, 0.5);
         assert!(full.allclose(&changed, 0.0, 0.0, false));
         let short = attention(
             &q,
             &k.narrow(1, 0, 6),
             &v.narrow(1, 0, 6),
+            None,
             &attention_bias(&mask.narrow(1, 0, 6), Kind::Float),
             heads,
             0.5,
         );
         assert!(full.allclose(&short, 1e-6, 1e-6, false));
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_register_transpose_transposes() {
+        use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};
+        if !available() {
+            return;
+        }
+        let m: Vec<f32> = (0..LANES * LANES).map(|i| i as f32).collect();
+        let mut t = vec![0f32; LANES * LANES];
+        // SAFETY: AVX-512 is available (checked above); each row pointer has LANES elements.
+        unsafe {
+            let rows = std::array::from_fn(|r| _mm512_loadu_ps(m[r * LANES..].as_ptr()));
+            for (r, row) in x86::transpose(rows).into_iter().enumerate() {
+                _mm512_storeu_ps(t[r * LANES..].as_mut_ptr(), row);
+            }
+        }
+        for r in 0..LANES {
+            for c in 0..LANES {
+                assert_eq!(t[r * LANES + c], m[c * LANES + r], "({r}, {c})");
+            }
+        }
     }
 }

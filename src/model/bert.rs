@@ -9,8 +9,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, FeedForward, Fused, Linear, attention, attention_bias, dropout, embedding,
-    feed_forward, layer_norm, linear, project_qkv, queries,
+    Classifier, EncoderLayer, FeedForward, Fused, Linear, attention, attention_bias, dropout,
+    embedding, feed_forward, layer_norm, linear, project_qkv, queries,
 };
 use crate::error::{Error, Result};
 
@@ -165,6 +165,8 @@ struct Layer {
     out_norm: nn::LayerNorm,
     heads: i64,
     act: String,
+    /// The LayerNorms' epsilon.
+    eps: f64,
     dropout: f64,
     attn_dropout: f64,
 }
@@ -186,6 +188,7 @@ impl Layer {
             out_norm: layer_norm(&p / "output" / "LayerNorm", h, c.layer_norm_eps),
             heads: c.num_attention_heads,
             act: c.hidden_act.clone(),
+            eps: c.layer_norm_eps,
             dropout: c.hidden_dropout_prob,
             attn_dropout: c.attention_probs_dropout_prob,
         }
@@ -199,8 +202,27 @@ impl Layer {
         self.ffn = FeedForward::quantize(&self.act, &mut self.intermediate, &mut self.output);
     }
 
+    /// The layer's parts, for float inference with lakeml's own passes (see
+    /// [`EncoderLayer`]); none once its products run in int8.
+    fn encoder_layer(&self) -> Option<EncoderLayer<'_>> {
+        (self.qkv.is_none() && self.ffn.is_none()).then(|| EncoderLayer {
+            qkv: [&self.query, &self.key, &self.value],
+            out: &self.attn_out,
+            attn_norm: &self.attn_norm,
+            up: &self.intermediate,
+            down: &self.output,
+            out_norm: &self.out_norm,
+            heads: self.heads,
+            act: &self.act,
+            eps: self.eps,
+        })
+    }
+
     /// `first_only`: compute the output of the first token only (see [`queries`]).
     fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
+        if let Some(layer) = self.encoder_layer().filter(|l| l.runs(x, train)) {
+            return layer.infer(x, bias, first_only);
+        }
         let q = queries(x, first_only);
         let [query, key, value] = project_qkv(
             self.qkv.as_ref(),

@@ -8,8 +8,8 @@ use tch::Tensor;
 use tch::nn::{self, Module};
 
 use super::{
-    Classifier, FeedForward, Fused, Linear, attention, attention_bias, dropout, embedding,
-    feed_forward, layer_norm, linear, project_qkv, queries,
+    Classifier, EncoderLayer, FeedForward, Fused, Linear, attention, attention_bias, dropout,
+    embedding, feed_forward, layer_norm, linear, project_qkv, queries,
 };
 use crate::error::{Error, Result};
 
@@ -88,6 +88,8 @@ struct Block {
     out_norm: nn::LayerNorm,
     heads: i64,
     act: String,
+    /// The LayerNorms' epsilon.
+    eps: f64,
     dropout: f64,
     attn_dropout: f64,
 }
@@ -109,6 +111,7 @@ impl Block {
             out_norm: layer_norm(&p / "output_layer_norm", d, EPS),
             heads: c.n_heads,
             act: c.activation.clone(),
+            eps: EPS,
             dropout: c.dropout,
             attn_dropout: c.attention_dropout,
         }
@@ -122,8 +125,27 @@ impl Block {
         self.ffn = FeedForward::quantize(&self.act, &mut self.lin1, &mut self.lin2);
     }
 
+    /// The layer's parts, for float inference with lakeml's own passes (see
+    /// [`EncoderLayer`]); none once its products run in int8.
+    fn encoder_layer(&self) -> Option<EncoderLayer<'_>> {
+        (self.qkv.is_none() && self.ffn.is_none()).then(|| EncoderLayer {
+            qkv: [&self.q, &self.k, &self.v],
+            out: &self.out,
+            attn_norm: &self.sa_norm,
+            up: &self.lin1,
+            down: &self.lin2,
+            out_norm: &self.out_norm,
+            heads: self.heads,
+            act: &self.act,
+            eps: self.eps,
+        })
+    }
+
     /// `first_only`: compute the output of the first token only (see [`queries`]).
     fn forward_t(&self, x: &Tensor, bias: &Tensor, train: bool, first_only: bool) -> Tensor {
+        if let Some(layer) = self.encoder_layer().filter(|l| l.runs(x, train)) {
+            return layer.infer(x, bias, first_only);
+        }
         let q = queries(x, first_only);
         let [query, key, value] = project_qkv(
             self.qkv.as_ref(),

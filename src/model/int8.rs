@@ -15,7 +15,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::cpu::{Shared, bf16_bits, bf16_value, exp_neg, parallel, round_to_int, vectorized};
+use crate::cpu::{Shared, bf16_bits, bf16_value, erf, parallel, round_to_int, vectorized};
 
 /// The largest int8 magnitude a scale maps to (symmetric: -127..=127, -128 unused).
 pub(crate) const Q_MAX: f32 = 127.0;
@@ -302,27 +302,10 @@ fn add_bias_residual_row_body(y: &[u16], bias: &[f32], residual: &[f32], out: &m
     }
 }
 
-/// The error function, as PyTorch's vectorized CPU kernels compute it (Abramowitz and
-/// Stegun 7.1.26, absolute error below 1.5e-7), branch-free so that it vectorizes.
-#[inline(always)]
-fn erf(x: f32) -> f32 {
-    const P: f32 = 0.327_591_1;
-    const A: [f32; 5] = [
-        0.254_829_6,
-        -0.284_496_74,
-        1.421_413_8,
-        -1.453_152,
-        1.061_405_4,
-    ];
-    let a = x.abs();
-    let t = 1.0 / (1.0 + P * a);
-    let poly = ((((A[4] * t + A[3]) * t + A[2]) * t + A[1]) * t + A[0]) * t;
-    (1.0 - poly * exp_neg(a * a)).copysign(x)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::exp_neg;
 
     fn randn(shape: &[i64], seed: i64) -> Tensor {
         tch::manual_seed(seed);

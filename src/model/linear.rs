@@ -136,6 +136,12 @@ impl Linear {
         }
     }
 
+    /// The layer as a plain `nn::Linear` (the VarStore's weight and bias), unless its
+    /// products run in int8 or bf16.
+    pub(crate) fn plain(&self) -> Option<&nn::Linear> {
+        self.fast.is_none().then_some(&self.inner)
+    }
+
     /// From now on, products run in bf16 with fp32 inputs, outputs and bias.
     pub(crate) fn use_bf16(&mut self) {
         let w = self.inner.ws.detach().to_kind(Kind::BFloat16);

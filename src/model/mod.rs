@@ -10,6 +10,7 @@ mod config;
 mod deberta;
 mod distilbert;
 mod dropout;
+mod epilogue;
 mod int8;
 mod linear;
 #[cfg(test)]
@@ -26,6 +27,7 @@ use tch::{Device, Tensor, nn};
 
 pub(crate) use config::{Arch, ModelConfig};
 pub(crate) use dropout::dropout;
+pub(crate) use epilogue::EncoderLayer;
 pub(crate) use linear::{FeedForward, Fused, Linear};
 
 use crate::error::{Error, Result};
@@ -261,12 +263,10 @@ pub(crate) fn attention(
     let scale = 1.0 / (d as f64).sqrt();
     let cpu = q.device() == tch::Device::Cpu;
     let dropout = if train { dropout } else { 0.0 };
-    let own_kind = matches!(q.kind(), tch::Kind::Float | tch::Kind::BFloat16);
-    let inference = !train && !q.requires_grad();
-    if cpu && inference && keys <= OWN_ATTENTION_KEYS && own_kind && attend::available() {
+    if !train && attend::runs(q, k) {
         // Inference on short sequences: one own pass per sequence, reading the projections
         // in place (see `attend`).
-        return attend::attention(q, k, v, bias, heads as usize, scale as f32);
+        return attend::attention(q, k, v, None, bias, heads as usize, scale as f32);
     }
     let short = keys <= short_attention(q.kind());
     let (q, k, v) = (split(q), split(k), split(v));
