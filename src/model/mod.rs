@@ -123,10 +123,12 @@ pub(crate) const ACTIVATIONS: &[&str] = &[
 /// The rows of `x` `[batch, seq, hidden]` a layer must compute: all of them, or only the
 /// first token's when nothing after the layer reads the others (the last layer of a
 /// classifier whose head reads `[CLS]`). Keys and values still come from every token, so
-/// the first token's output is exactly what the full layer gives it.
+/// the first token's output is exactly what the full layer gives it. The first tokens are
+/// copied out (`batch` rows): libtorch multiplies a strided view of them by a weight through
+/// `bmm`, with a copy of the whole weight per sequence.
 pub(crate) fn queries(x: &Tensor, first_only: bool) -> Tensor {
     if first_only {
-        x.narrow(1, 0, 1)
+        x.narrow(1, 0, 1).contiguous()
     } else {
         x.shallow_clone()
     }
