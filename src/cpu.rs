@@ -68,44 +68,52 @@ pub(crate) fn round_to_int(x: f32) -> i32 {
 /// `x = 87` on; branch-free so that it vectorizes.
 #[inline(always)]
 pub(crate) fn exp_neg(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
     let x = -x;
     let underflow = x < -87.0;
     let x = if underflow { -87.0 } else { x };
     let k = round_to_int(x * std::f32::consts::LOG2_E);
     let n = k as f32;
     let r = x - n * LN2_HI - n * LN2_LO;
-    let p = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5)
-        * r
-        * r
-        + r
-        + 1.0;
+    let p = EXP_C[1..].iter().fold(EXP_C[0], |p, &c| p * r + c) * r * r + r + 1.0;
     let two_n = f32::from_bits(((k + 127) as u32) << 23);
     if underflow { 0.0 } else { p * two_n }
 }
+
+/// ln 2 in two parts, the first exact in few bits, so that `x - n ln 2` loses nothing.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+
+/// Cephes' `expf` polynomial, highest degree first: `e^r ≈ 1 + r + r² P(r)`.
+const EXP_C: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
 
 /// The error function, as PyTorch's vectorized CPU kernels compute it (Abramowitz and
 /// Stegun 7.1.26, absolute error below 1.5e-7), branch-free so that it vectorizes.
 #[inline(always)]
 pub(crate) fn erf(x: f32) -> f32 {
-    const P: f32 = 0.327_591_1;
-    const A: [f32; 5] = [
-        0.254_829_6,
-        -0.284_496_74,
-        1.421_413_8,
-        -1.453_152,
-        1.061_405_4,
-    ];
     let a = x.abs();
-    let t = 1.0 / (1.0 + P * a);
-    let poly = ((((A[4] * t + A[3]) * t + A[2]) * t + A[1]) * t + A[0]) * t;
+    let t = 1.0 / (1.0 + ERF_P * a);
+    let [a0, a1, a2, a3, a4] = ERF_A;
+    let poly = ((((a4 * t + a3) * t + a2) * t + a1) * t + a0) * t;
     (1.0 - poly * exp_neg(a * a)).copysign(x)
 }
+
+/// [`erf`]'s constants: `erf(a) ≈ 1 - t P(t) e^-a²` with `t = 1 / (1 + ERF_P a)` and
+/// `P`'s coefficients `ERF_A`, lowest degree first.
+const ERF_P: f32 = 0.327_591_1;
+const ERF_A: [f32; 5] = [
+    0.254_829_6,
+    -0.284_496_74,
+    1.421_413_8,
+    -1.453_152,
+    1.061_405_4,
+];
 
 /// An element of a float tensor that lakeml's own passes read and write: fp32, or bf16 as
 /// its bits; arithmetic is in fp32 either way.
@@ -137,6 +145,141 @@ impl Element for u16 {
     #[inline(always)]
     fn from_value(x: f32) -> Self {
         bf16_bits(x)
+    }
+}
+
+/// Whether this CPU has the AVX-512 subsets [`avx512`] is written for (F, BW and VL).
+pub(crate) fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// AVX-512 building blocks of lakeml's own passes: 16 lanes of fp32 read from and written
+/// to fp32 or bf16 memory, and exact GELU on them. Callers check [`has_avx512`] first.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::{
+        __m512, __mmask16, _CMP_UNORD_Q, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT,
+        _mm256_mask_storeu_epi16, _mm256_maskz_loadu_epi16, _mm512_abs_ps, _mm512_add_epi32,
+        _mm512_add_ps, _mm512_and_si512, _mm512_castps_si512, _mm512_castsi512_ps,
+        _mm512_cmp_ps_mask, _mm512_cvtepi32_epi16, _mm512_cvtepu16_epi32, _mm512_fmadd_ps,
+        _mm512_fnmadd_ps, _mm512_mask_mov_epi32, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
+        _mm512_min_ps, _mm512_mul_ps, _mm512_or_si512, _mm512_rcp14_ps, _mm512_roundscale_ps,
+        _mm512_scalef_ps, _mm512_set1_epi32, _mm512_set1_ps, _mm512_slli_epi32, _mm512_srli_epi32,
+    };
+
+    use super::Element;
+
+    /// Lanes of a vector.
+    pub(crate) const LANES: usize = 16;
+
+    /// The first `count` of [`LANES`] lanes.
+    #[inline(always)]
+    fn first(count: usize) -> __mmask16 {
+        if count >= LANES {
+            u16::MAX
+        } else {
+            (1u16 << count) - 1
+        }
+    }
+
+    /// The first `count` (≤ [`LANES`]) elements at `src` as fp32 lanes, zeros past them.
+    ///
+    /// # Safety
+    /// `count` elements at `src` must be readable; nothing past them is read.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn read<E: Element>(src: *const E, count: usize) -> __m512 {
+        let m = first(count);
+        // SAFETY: masked loads touch only the caller's `count` elements.
+        unsafe {
+            if E::BF16 {
+                let bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src as *const i16));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
+            } else {
+                _mm512_maskz_loadu_ps(m, src as *const f32)
+            }
+        }
+    }
+
+    /// The first `count` (≤ [`LANES`]) lanes of `x` to `dst`, as E (bf16 rounded to nearest,
+    /// ties to even, NaN kept, as [`super::bf16_bits`]).
+    ///
+    /// # Safety
+    /// `count` elements at `dst` must be writable; nothing past them is written.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn write<E: Element>(dst: *mut E, x: __m512, count: usize) {
+        let m = first(count);
+        // SAFETY: masked stores touch only the caller's `count` elements.
+        unsafe {
+            if E::BF16 {
+                let bits = _mm512_castps_si512(x);
+                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+                let half = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, half));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                let out = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+                _mm256_mask_storeu_epi16(dst as *mut i16, m, _mm512_cvtepi32_epi16(out));
+            } else {
+                _mm512_mask_storeu_ps(dst as *mut f32, m, x);
+            }
+        }
+    }
+
+    /// Exact GELU, `0.5 x (1 + erf(x / √2))`, of 16 lanes: [`super::erf`]'s formula, with
+    /// `1 / (1 + p a)` from the reciprocal estimate and one Newton step (relative error
+    /// ~1e-8), and `e^-a²` as [`super::exp_neg`] with the power of two applied by `scalef`
+    /// (which underflows to 0 by itself).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn gelu(x: __m512) -> __m512 {
+        let k = _mm512_set1_ps;
+        let z = _mm512_mul_ps(x, k(std::f32::consts::FRAC_1_SQRT_2));
+        // Past 8, erf is 1 in fp32; the bound keeps infinities out of the reciprocal (and
+        // turns NaN into 8, whose GELU, x · 1, is NaN again).
+        let a = _mm512_min_ps(_mm512_abs_ps(z), k(8.0));
+        let d = _mm512_fmadd_ps(k(super::ERF_P), a, k(1.0));
+        let r = _mm512_rcp14_ps(d);
+        let t = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, k(2.0)));
+        let [a0, a1, a2, a3, a4] = super::ERF_A;
+        let mut poly = k(a4);
+        for c in [a3, a2, a1, a0] {
+            poly = _mm512_fmadd_ps(poly, t, k(c));
+        }
+        poly = _mm512_mul_ps(poly, t);
+        let erf = _mm512_fnmadd_ps(poly, exp_neg(_mm512_mul_ps(a, a)), k(1.0));
+        // erf ≥ 0 here: z's sign bit makes it erf(z).
+        let sign = _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(i32::MIN));
+        let erf = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(erf), sign));
+        _mm512_mul_ps(x, _mm512_fmadd_ps(erf, k(0.5), k(0.5)))
+    }
+
+    /// `e^-y` for `y ≥ 0`: [`super::exp_neg`]'s polynomial.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exp_neg(y: __m512) -> __m512 {
+        let k = _mm512_set1_ps;
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(y, k(-std::f32::consts::LOG2_E)),
+        );
+        // r = -y - n ln 2, in two parts.
+        let r = _mm512_fnmadd_ps(n, k(super::LN2_HI), _mm512_mul_ps(y, k(-1.0)));
+        let r = _mm512_fnmadd_ps(n, k(super::LN2_LO), r);
+        let mut p = k(super::EXP_C[0]);
+        for c in &super::EXP_C[1..] {
+            p = _mm512_fmadd_ps(p, r, k(*c));
+        }
+        let p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, k(1.0)));
+        _mm512_scalef_ps(p, n)
     }
 }
 

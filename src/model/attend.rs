@@ -13,7 +13,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::cpu::{Element, Shared, exp_neg, parallel};
+use crate::cpu::{Element, Shared, exp_neg, has_avx512, parallel};
 
 /// Vector width (16 fp32 lanes: one AVX-512 register).
 const LANES: usize = 16;
@@ -29,20 +29,6 @@ const BLOCK: usize = 2 * LANES;
 /// Score padding past the last key: far below any score, so that its exponential is 0.
 const PAD: f32 = -1e30;
 
-/// Whether this CPU runs [`attention`] (AVX-512 F, BW and VL).
-pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Whether [`attention`] runs queries `q` over keys `k`: inference (nothing needs a
 /// gradient) on an AVX-512 CPU, in fp32 or bf16, over at most
 /// [`super::OWN_ATTENTION_KEYS`] keys.
@@ -53,7 +39,7 @@ pub(crate) fn runs(q: &Tensor, k: &Tensor) -> bool {
         && !q.requires_grad()
         && !k.requires_grad()
         && keys <= super::OWN_ATTENTION_KEYS
-        && available()
+        && has_avx512()
 }
 
 /// Multi-head attention of `q` `[batch, queries, hidden]` over `k` and `v`
@@ -62,7 +48,7 @@ pub(crate) fn runs(q: &Tensor, k: &Tensor) -> bool {
 /// bias values in `biases` if given (for projections computed without them), with the
 /// additive mask `mask` (`[batch, 1, 1, keys]`, see [`super::attention_bias`]) and scores
 /// scaled by `scale`: the context `[batch, queries, hidden]`, contiguous, in the inputs'
-/// kind. Only where [`available`].
+/// kind. Only where [`has_avx512`].
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -72,7 +58,7 @@ pub(crate) fn attention(
     heads: usize,
     scale: f32,
 ) -> Tensor {
-    assert!(available(), "short attention needs AVX-512");
+    assert!(has_avx512(), "short attention needs AVX-512");
     let kind = q.kind();
     let rows = |x: &Tensor| match x.stride().last() {
         Some(1) => x.shallow_clone(),
@@ -282,71 +268,15 @@ fn softmax(x: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m512, __mmask16, _CMP_UNORD_Q, _mm256_mask_storeu_epi16, _mm256_maskz_loadu_epi16,
-        _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512, _mm512_castpd_ps, _mm512_castps_pd,
-        _mm512_castps_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_cvtepi32_epi16,
-        _mm512_cvtepu16_epi32, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_mask_mov_epi32,
-        _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_mul_ps, _mm512_set1_epi32,
-        _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_f32x4, _mm512_slli_epi32,
-        _mm512_srli_epi32, _mm512_storeu_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps,
-        _mm512_unpacklo_pd, _mm512_unpacklo_ps,
+        __m512, _mm512_add_ps, _mm512_castpd_ps, _mm512_castps_pd, _mm512_fmadd_ps,
+        _mm512_loadu_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_f32x4,
+        _mm512_storeu_ps, _mm512_unpackhi_pd, _mm512_unpackhi_ps, _mm512_unpacklo_pd,
+        _mm512_unpacklo_ps,
     };
 
+    use crate::cpu::avx512::{read, write};
+
     use super::{BLOCK, Element, LANES, PAD, QUERY_BLOCK, Scratch, Sequence, Shape, softmax};
-
-    /// The first `count` of [`LANES`] lanes.
-    #[inline(always)]
-    fn first(count: usize) -> __mmask16 {
-        if count >= LANES {
-            u16::MAX
-        } else {
-            (1u16 << count) - 1
-        }
-    }
-
-    /// The first `count` (≤ [`LANES`]) elements at `src` as fp32 lanes, zeros past them.
-    ///
-    /// # Safety
-    /// `count` elements at `src` must be readable; nothing past them is read.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn read<E: Element>(src: *const E, count: usize) -> __m512 {
-        let m = first(count);
-        // SAFETY: masked loads touch only the caller's `count` elements.
-        unsafe {
-            if E::BF16 {
-                let bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src as *const i16));
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
-            } else {
-                _mm512_maskz_loadu_ps(m, src as *const f32)
-            }
-        }
-    }
-
-    /// The first `count` (≤ [`LANES`]) lanes of `x` to `dst`, as E (bf16 rounded to nearest,
-    /// ties to even, as [`crate::cpu::bf16_bits`]).
-    ///
-    /// # Safety
-    /// `count` elements at `dst` must be writable; nothing past them is written.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    unsafe fn write<E: Element>(dst: *mut E, x: __m512, count: usize) {
-        let m = first(count);
-        // SAFETY: masked stores touch only the caller's `count` elements.
-        unsafe {
-            if E::BF16 {
-                let bits = _mm512_castps_si512(x);
-                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-                let half = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
-                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, half));
-                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
-                let out = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-                _mm256_mask_storeu_epi16(dst as *mut i16, m, _mm512_cvtepi32_epi16(out));
-            } else {
-                _mm512_mask_storeu_ps(dst as *mut f32, m, x);
-            }
-        }
-    }
 
     /// A 16 × 16 block transposed: lane `j` of row `c` of the result is lane `c` of row `j`.
     #[inline]
@@ -683,7 +613,7 @@ mod tests {
     #[test]
     fn the_register_transpose_transposes() {
         use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};
-        if !available() {
+        if !has_avx512() {
             return;
         }
         let m: Vec<f32> = (0..LANES * LANES).map(|i| i as f32).collect();

@@ -19,7 +19,7 @@ use tch::nn;
 use tch::{Device, Kind, Tensor};
 
 use super::{Linear, activation, attend, attention, queries};
-use crate::cpu::{Element, Shared, erf, parallel, vectorized};
+use crate::cpu::{Element, Shared, erf, has_avx512, parallel, vectorized};
 
 /// Vector width the row loops are written for (16 fp32 lanes: one AVX-512 register).
 const LANES: usize = 16;
@@ -208,9 +208,36 @@ pub(crate) fn bias_gelu_(y: &Tensor, bias: &[f32]) {
     let (m, n) = rows(y);
     assert_eq!(bias.len(), n, "the bias does not fit the product");
     if y.kind() == Kind::BFloat16 {
-        for_rows_mut::<u16>(m, n, y, &|row| gelu_bf16(row, bias));
+        for_rows_mut::<u16>(m, n, y, &|row| gelu_row(row, bias));
     } else {
-        for_rows_mut::<f32>(m, n, y, &|row| gelu_f32(row, bias));
+        for_rows_mut::<f32>(m, n, y, &|row| gelu_row(row, bias));
+    }
+}
+
+/// One row of [`bias_gelu_`]: AVX-512 where the CPU has it, else the compiler's vectors.
+fn gelu_row<E: GeluElement>(row: &mut [E], bias: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512 F, BW and VL (checked just above).
+        return unsafe { x86::gelu_row(row, bias) };
+    }
+    E::portable_gelu_row(row, bias);
+}
+
+/// An element type with a compiled-for-the-CPU portable GELU row.
+trait GeluElement: Element {
+    fn portable_gelu_row(row: &mut [Self], bias: &[f32]);
+}
+
+impl GeluElement for f32 {
+    fn portable_gelu_row(row: &mut [f32], bias: &[f32]) {
+        gelu_f32(row, bias)
+    }
+}
+
+impl GeluElement for u16 {
+    fn portable_gelu_row(row: &mut [u16], bias: &[f32]) {
+        gelu_bf16(row, bias)
     }
 }
 
@@ -328,20 +355,46 @@ fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
 }
 
 vectorized! {
-    fn gelu_f32(row: &mut [f32], bias: &[f32]) = gelu_row::<f32>;
+    fn gelu_f32(row: &mut [f32], bias: &[f32]) = portable_gelu::<f32>;
 }
 
 vectorized! {
-    fn gelu_bf16(row: &mut [u16], bias: &[f32]) = gelu_row::<u16>;
+    fn gelu_bf16(row: &mut [u16], bias: &[f32]) = portable_gelu::<u16>;
 }
 
-/// One row of [`bias_gelu_`].
+/// One row of [`bias_gelu_`] on any CPU ([`erf`]).
 #[inline(always)]
-fn gelu_row<E: Element>(row: &mut [E], bias: &[f32]) {
+fn portable_gelu<E: Element>(row: &mut [E], bias: &[f32]) {
     let bias = &bias[..row.len()];
     for (y, &b) in row.iter_mut().zip(bias) {
         let x = y.value() + b;
         *y = E::from_value(0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2)));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::_mm512_add_ps;
+
+    use crate::cpu::Element;
+    use crate::cpu::avx512::{LANES, gelu, read, write};
+
+    /// One row of [`super::bias_gelu_`], 16 lanes at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) fn gelu_row<E: Element>(row: &mut [E], bias: &[f32]) {
+        let n = row.len();
+        let bias = &bias[..n];
+        for c in (0..n).step_by(LANES) {
+            let count = (n - c).min(LANES);
+            // SAFETY: `count` elements from c in `row` and in `bias`.
+            unsafe {
+                let x = _mm512_add_ps(
+                    read(row[c..].as_ptr(), count),
+                    read(bias[c..].as_ptr(), count),
+                );
+                write(row[c..].as_mut_ptr(), gelu(x), count);
+            }
+        }
     }
 }
 
@@ -431,6 +484,39 @@ mod tests {
                 2f64.powi(-8)
             };
             assert_close(&got, &want, relative, 1e-6, &format!("{kind:?}"));
+        }
+    }
+
+    #[test]
+    fn the_avx512_gelu_matches_the_portable_one() {
+        if !has_avx512() {
+            return;
+        }
+        tch::manual_seed(33);
+        // Wide values, and the edges: zeros, tiny and huge inputs, and infinity.
+        let mut xs = Vec::<f32>::try_from(Tensor::randn([1000], (Kind::Float, Device::Cpu)) * 4.0)
+            .expect("values");
+        xs.extend([
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            20.0,
+            -20.0,
+            1e30,
+            -1e30,
+            f32::INFINITY,
+        ]);
+        let bias = vec![0.0; xs.len()];
+        let (mut a, mut b) = (xs.clone(), xs.clone());
+        // SAFETY: AVX-512 F, BW and VL are available (checked above).
+        unsafe { x86::gelu_row(&mut a, &bias) };
+        gelu_f32(&mut b, &bias);
+        for ((x, a), b) in xs.iter().zip(&a).zip(&b) {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0) || a == b,
+                "gelu({x}): {a} against {b}"
+            );
         }
     }
 
