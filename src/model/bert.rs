@@ -156,6 +156,9 @@ struct Layer {
     value: Linear,
     /// int8 inference: query, key and value as one product.
     qkv: Option<Fused<3>>,
+    /// Float inference: the query, key and value weights as one (see
+    /// [`Classifier::fuse_qkv`]).
+    qkv_weight: Option<Tensor>,
     attn_out: Linear,
     attn_norm: nn::LayerNorm,
     intermediate: Linear,
@@ -180,6 +183,7 @@ impl Layer {
             key: linear(&attn / "self" / "key", h, h, std),
             value: linear(&attn / "self" / "value", h, h, std),
             qkv: None,
+            qkv_weight: None,
             attn_out: linear(&attn / "output" / "dense", h, h, std),
             attn_norm: layer_norm(&attn / "output" / "LayerNorm", h, c.layer_norm_eps),
             intermediate: linear(&p / "intermediate" / "dense", h, c.intermediate_size, std),
@@ -202,11 +206,20 @@ impl Layer {
         self.ffn = FeedForward::quantize(&self.act, &mut self.intermediate, &mut self.output);
     }
 
+    /// See [`Classifier::fuse_qkv`].
+    fn fuse_qkv(&mut self) {
+        let weights = [&self.query, &self.key, &self.value].map(|l| l.plain().map(|l| &l.ws));
+        if let [Some(q), Some(k), Some(v)] = weights {
+            self.qkv_weight = Some(Tensor::cat(&[q, k, v], 0).detach());
+        }
+    }
+
     /// The layer's parts, for float inference with lakeml's own passes (see
     /// [`EncoderLayer`]); none once its products run in int8.
     fn encoder_layer(&self) -> Option<EncoderLayer<'_>> {
         (self.qkv.is_none() && self.ffn.is_none()).then(|| EncoderLayer {
             qkv: [&self.query, &self.key, &self.value],
+            qkv_weight: self.qkv_weight.as_ref(),
             out: &self.attn_out,
             attn_norm: &self.attn_norm,
             up: &self.intermediate,
@@ -266,6 +279,10 @@ impl Encoder {
     /// Every layer's products in int8 (see [`Classifier::quantize_int8`]).
     fn quantize_int8(&mut self) {
         self.layers.iter_mut().for_each(Layer::quantize_int8);
+    }
+
+    fn fuse_qkv(&mut self) {
+        self.layers.iter_mut().for_each(Layer::fuse_qkv);
     }
 
     fn new(p: &nn::Path, c: &Config, roberta: bool) -> Result<Self> {
@@ -331,6 +348,10 @@ impl Classifier for BertClassifier {
     fn quantize_int8(&mut self) {
         self.encoder.quantize_int8();
     }
+
+    fn fuse_qkv(&mut self) {
+        self.encoder.fuse_qkv();
+    }
 }
 
 /// `RobertaForSequenceClassification`: `RobertaClassificationHead` on `<s>`, no pooler.
@@ -364,6 +385,10 @@ impl Classifier for RobertaClassifier {
 
     fn quantize_int8(&mut self) {
         self.encoder.quantize_int8();
+    }
+
+    fn fuse_qkv(&mut self) {
+        self.encoder.fuse_qkv();
     }
 }
 

@@ -79,6 +79,8 @@ struct Block {
     v: Linear,
     /// int8 inference: q, k and v as one product.
     qkv: Option<Fused<3>>,
+    /// Float inference: the q, k and v weights as one (see [`Classifier::fuse_qkv`]).
+    qkv_weight: Option<Tensor>,
     out: Linear,
     sa_norm: nn::LayerNorm,
     lin1: Linear,
@@ -103,6 +105,7 @@ impl Block {
             k: linear(&a / "k_lin", d, d, std),
             v: linear(&a / "v_lin", d, d, std),
             qkv: None,
+            qkv_weight: None,
             out: linear(&a / "out_lin", d, d, std),
             sa_norm: layer_norm(&p / "sa_layer_norm", d, EPS),
             lin1: linear(&p / "ffn" / "lin1", d, c.hidden_dim, std),
@@ -125,11 +128,20 @@ impl Block {
         self.ffn = FeedForward::quantize(&self.act, &mut self.lin1, &mut self.lin2);
     }
 
+    /// See [`Classifier::fuse_qkv`].
+    fn fuse_qkv(&mut self) {
+        let weights = [&self.q, &self.k, &self.v].map(|l| l.plain().map(|l| &l.ws));
+        if let [Some(q), Some(k), Some(v)] = weights {
+            self.qkv_weight = Some(Tensor::cat(&[q, k, v], 0).detach());
+        }
+    }
+
     /// The layer's parts, for float inference with lakeml's own passes (see
     /// [`EncoderLayer`]); none once its products run in int8.
     fn encoder_layer(&self) -> Option<EncoderLayer<'_>> {
         (self.qkv.is_none() && self.ffn.is_none()).then(|| EncoderLayer {
             qkv: [&self.q, &self.k, &self.v],
+            qkv_weight: self.qkv_weight.as_ref(),
             out: &self.out,
             attn_norm: &self.sa_norm,
             up: &self.lin1,
@@ -254,6 +266,10 @@ impl Classifier for DistilBertClassifier {
 
     fn quantize_int8(&mut self) {
         self.blocks.iter_mut().for_each(Block::quantize_int8);
+    }
+
+    fn fuse_qkv(&mut self) {
+        self.blocks.iter_mut().for_each(Block::fuse_qkv);
     }
 }
 

@@ -28,6 +28,8 @@ const LANES: usize = 16;
 /// x' = norm1(x + out(attention(q(x), k(x), v(x))))`.
 pub(crate) struct EncoderLayer<'a> {
     pub qkv: [&'a Linear; 3],
+    /// The three weights as one, if fused (see [`super::Classifier::fuse_qkv`]).
+    pub qkv_weight: Option<&'a Tensor>,
     pub out: &'a Linear,
     pub attn_norm: &'a nn::LayerNorm,
     pub up: &'a Linear,
@@ -80,15 +82,28 @@ impl EncoderLayer<'_> {
             .expect("EncoderLayer::infer needs plain float layers");
         let product = |l: &nn::Linear, x: &Tensor| x.linear::<&Tensor>(&l.ws, None);
         let input = queries(x, first_only);
-        let [q, k, v] = [&input, x, x]
-            .iter()
-            .zip(p.qkv)
-            .map(|(x, l)| product(l, x))
-            .collect::<Vec<_>>()
-            .try_into()
-            .expect("three projections");
-        let [qb, kb, vb] = p.qkv.map(bias);
         let hidden = x.size()[2];
+        let [q, k, v] = match self.qkv_weight {
+            // One product, whose column ranges the attention reads in place; a last layer
+            // computes its first tokens' queries alone, and the keys and values together.
+            Some(w) if first_only => {
+                let kv = x.linear::<&Tensor>(&w.narrow(0, hidden, 2 * hidden), None);
+                [
+                    input.linear::<&Tensor>(&w.narrow(0, 0, hidden), None),
+                    kv.narrow(2, 0, hidden),
+                    kv.narrow(2, hidden, hidden),
+                ]
+            }
+            Some(w) => {
+                let qkv = x.linear::<&Tensor>(w, None);
+                [0, 1, 2].map(|i| qkv.narrow(2, i * hidden, hidden))
+            }
+            None => {
+                let [q, k, v] = p.qkv;
+                [product(q, &input), product(k, x), product(v, x)]
+            }
+        };
+        let [qb, kb, vb] = p.qkv.map(bias);
         let scale = 1.0 / ((hidden / self.heads) as f64).sqrt();
         let ctx = if attend::runs(&q, &k) {
             attend::attention(

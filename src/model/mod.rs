@@ -96,6 +96,12 @@ pub(crate) trait Classifier: Send {
     /// inference, except each feed-forward down-projection, which runs in bf16
     /// ([`Linear::use_bf16`]); embeddings, LayerNorms, attention and the head stay fp32.
     fn quantize_int8(&mut self);
+
+    /// For fp32 or bf16 inference only (predict, serve): each encoder layer's query, key and
+    /// value weights copied into one `[3 × hidden, hidden]` weight, so that they run as one
+    /// product (see [`EncoderLayer`]). The copies do not follow later changes to the weights:
+    /// call this once they are final. DeBERTa keeps three products.
+    fn fuse_qkv(&mut self) {}
 }
 
 /// An additive attention bias `[batch, 1, 1, seq]` from a `[batch, seq]` 0/1 mask: 0 where a

@@ -130,7 +130,8 @@ fn check_fixture(name: &str) {
     );
     batched_equals_row_at_a_time(name, &model, ids, mask, &got);
     if name != "deberta-v3" && name != "deberta-v2" {
-        // DeBERTa's disentangled attention keeps libtorch's ops.
+        // DeBERTa's disentangled attention keeps three products and libtorch's ops.
+        fused_qkv_gives_the_same_logits(name, &dir, ids, mask, &got);
         bf16_own_passes_match_transformers(name, &dir, ids, mask, want);
     }
 
@@ -143,6 +144,36 @@ fn check_fixture(name: &str) {
     );
     // Inputs are quantized per token, so a row's int8 logits do not depend on its batch.
     batched_equals_row_at_a_time(&format!("{name} int8"), &model, ids, mask, &int8);
+}
+
+/// With query, key and value fused into one product (as predict runs), the fp32 logits are
+/// those of three products, within summation order. The three weights are zeroed after
+/// fusing, so the logits come from the fused copy.
+fn fused_qkv_gives_the_same_logits(
+    name: &str,
+    dir: &std::path::Path,
+    ids: &Tensor,
+    mask: &Tensor,
+    want: &Tensor,
+) {
+    let mut model = load(dir, want.size()[1], Device::Cpu).expect("load");
+    model.net.fuse_qkv();
+    let projections = [".query.weight", ".key.weight", ".value.weight"]
+        .into_iter()
+        .chain([".q_lin.weight", ".k_lin.weight", ".v_lin.weight"]);
+    let mut zeroed = 0;
+    for (var, mut t) in model.vs.variables() {
+        if projections.clone().any(|p| var.ends_with(p)) {
+            let _ = tch::no_grad(|| t.zero_());
+            zeroed += 1;
+        }
+    }
+    assert!(zeroed >= 3, "{name}: no projection weights found");
+    let diff = max_diff(&logits(&model, ids, mask), want);
+    assert!(
+        diff <= 1e-5,
+        "{name}: fused query, key and value differ by {diff}"
+    );
 }
 
 /// Tolerance on bf16 logits against transformers' fp32 ones: bf16 keeps 8 significant bits,

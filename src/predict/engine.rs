@@ -212,6 +212,8 @@ fn load(
     model.vs.freeze();
     if precision == Precision::Int8 {
         model.net.quantize_int8();
+    } else if device == Device::Cpu {
+        model.net.fuse_qkv();
     }
     Ok(model)
 }
