@@ -302,10 +302,11 @@ pub(crate) fn attention(
 }
 
 /// The longest key sequence for which inference on CPU computes attention with lakeml's own
-/// pass (`attend`, on AVX-512). Measured alone against the batched products and the fused
-/// SDPA kernel (2 threads, 12 heads of 32 channels, 136 sequences of 30 keys): in bf16
-/// 4.4-5.0 ms against 7.8-9.3 and 6.0-9.8; in fp32 5.2-6.0 against 5.1-6.9 and 6.4-8.8
-/// (in a model it also saves the products' copies); even from 64 to 96 keys, slower at 128.
+/// pass (`attend`, on AVX-512). Measured alone (2 threads, 12 heads of 32 channels, 136
+/// sequences of 30 keys): 2.7 ms in bf16 and 4.1-4.7 ms in fp32, where the batched products
+/// took 7.8-9.3 and 5.1-6.9 ms and the fused SDPA kernel 6.0-9.8 and 6.4-8.8; at 64 keys
+/// (64 sequences) 4.8-5.1 and 5.3-5.8 ms. The pass's first version was even with the
+/// products up to 96 keys and slower at 128; the limit has not been re-measured since.
 const OWN_ATTENTION_KEYS: i64 = 96;
 
 /// The longest key sequence for which attention on CPU runs as batched products rather than
