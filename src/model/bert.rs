@@ -208,10 +208,7 @@ impl Layer {
 
     /// See [`Classifier::fuse_qkv`].
     fn fuse_qkv(&mut self) {
-        let weights = [&self.query, &self.key, &self.value].map(|l| l.plain().map(|l| &l.ws));
-        if let [Some(q), Some(k), Some(v)] = weights {
-            self.qkv_weight = Some(Tensor::cat(&[q, k, v], 0).detach());
-        }
+        self.qkv_weight = EncoderLayer::fused_weight([&self.query, &self.key, &self.value]);
     }
 
     /// The layer's parts, for float inference with lakeml's own passes (see

@@ -130,10 +130,7 @@ impl Block {
 
     /// See [`Classifier::fuse_qkv`].
     fn fuse_qkv(&mut self) {
-        let weights = [&self.q, &self.k, &self.v].map(|l| l.plain().map(|l| &l.ws));
-        if let [Some(q), Some(k), Some(v)] = weights {
-            self.qkv_weight = Some(Tensor::cat(&[q, k, v], 0).detach());
-        }
+        self.qkv_weight = EncoderLayer::fused_weight([&self.q, &self.k, &self.v]);
     }
 
     /// The layer's parts, for float inference with lakeml's own passes (see

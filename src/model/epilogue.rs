@@ -50,6 +50,13 @@ struct Plain<'a> {
 }
 
 impl EncoderLayer<'_> {
+    /// Query, key and value's weights side by side, `[3 × hidden, hidden]` (see
+    /// [`super::Classifier::fuse_qkv`]); none if any of them runs in int8 or bf16.
+    pub(crate) fn fused_weight(qkv: [&Linear; 3]) -> Option<Tensor> {
+        let [q, k, v] = qkv.map(|l| l.plain().map(|l| &l.ws));
+        Some(Tensor::cat(&[q?, k?, v?], 0).detach())
+    }
+
     /// Whether [`EncoderLayer::infer`] runs `x`: float inference on the CPU (no gradient
     /// needed), with every product on the layer's own fp32 or bf16 variables.
     pub(crate) fn runs(&self, x: &Tensor, train: bool) -> bool {
