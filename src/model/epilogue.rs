@@ -3,9 +3,10 @@
 //!
 //! As tensor ops, each of a layer's six products is an `addmm`: libtorch first copies the
 //! bias into every row of the output, then runs the GEMM adding to it, and the residual add,
-//! LayerNorm and GELU that follow are one more full pass each. At ~30-token sequences those
-//! passes cost a sixth as much as the products. Here the products run without their bias,
-//! and each bias joins a pass that is there anyway:
+//! LayerNorm and GELU that follow are one more full pass each (in a bf16 predict profile the
+//! bias copies, LayerNorm and residual add were about 4% of the time, against 70% for the
+//! products). Here the products run without their bias, and each bias joins a pass that is
+//! there anyway:
 //! - the query, key and value biases are added as the attention pass loads its rows
 //!   ([`super::attend`]);
 //! - [`bias_residual_norm`]: a projection's bias, the residual and the LayerNorm, in one pass
