@@ -419,4 +419,21 @@ mod tests {
         };
         assert_same_gradients(&vs, || net.forward_t(ids, mask, true), full);
     }
+
+    /// Float inference's own passes take an activation other than exact GELU through
+    /// libtorch's (after adding the bias): the logits are those of libtorch's ops, which the
+    /// same model runs with gradients on.
+    #[test]
+    fn own_inference_with_a_tanh_gelu_matches_libtorchs_ops() {
+        let (dir, mut c, ids, mask): (_, Config, _, _) = fixture_config("bert");
+        c.hidden_act = "gelu_new".into();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = BertClassifier::new(&vs.root(), &c, 3).expect("build");
+        crate::model::weights::load(&vs, &dir, "bert").expect("weights");
+        let own = tch::no_grad(|| net.forward_t(&ids, &mask, false));
+        let ops = net.forward_t(&ids, &mask, false).detach();
+        let d = f64::try_from((&own - &ops).abs().max()).expect("scalar");
+        // fp32, summation order; 0 would mean both ran libtorch's ops.
+        assert!(d <= 1e-5 && d > 0.0, "logits differ by {d}");
+    }
 }

@@ -148,7 +148,8 @@ impl EncoderLayer<'_> {
             bias_gelu_(&inner, &bias(p.up));
             inner
         } else {
-            activation(self.act, &(inner + p.up.bs.as_ref().expect("a bias")))
+            let b = Tensor::from_slice(&bias(p.up)).to_kind(inner.kind());
+            activation(self.act, &(inner + b))
         };
         bias_residual_norm(
             &product(p.down, &inner),
