@@ -19,6 +19,7 @@
 use tch::nn;
 use tch::{Device, Kind, Tensor};
 
+use super::linear::{bias_values, floats};
 use super::{Linear, activation, attend, attention, queries};
 use crate::cpu::{Element, Shared, erf, has_avx512, parallel, vectorized};
 
@@ -111,7 +112,7 @@ impl EncoderLayer<'_> {
                 [product(q, &input), product(k, x), product(v, x)]
             }
         };
-        let [qb, kb, vb] = p.qkv.map(bias);
+        let [qb, kb, vb] = p.qkv.map(bias_values);
         let scale = 1.0 / ((hidden / self.heads) as f64).sqrt();
         let ctx = if attend::runs(&q, &k) {
             attend::attention(
@@ -138,41 +139,27 @@ impl EncoderLayer<'_> {
         let eps = self.eps as f32;
         let x = bias_residual_norm(
             &product(p.out, &ctx),
-            &bias(p.out),
+            &bias_values(p.out),
             &input,
             self.attn_norm,
             eps,
         );
         let inner = product(p.up, &x);
         let inner = if self.act == "gelu" {
-            bias_gelu_(&inner, &bias(p.up));
+            bias_gelu_(&inner, &bias_values(p.up));
             inner
         } else {
-            let b = Tensor::from_slice(&bias(p.up)).to_kind(inner.kind());
+            let b = Tensor::from_slice(&bias_values(p.up)).to_kind(inner.kind());
             activation(self.act, &(inner + b))
         };
         bias_residual_norm(
             &product(p.down, &inner),
-            &bias(p.down),
+            &bias_values(p.down),
             &x,
             self.out_norm,
             eps,
         )
     }
-}
-
-/// A linear layer's bias in fp32, zeros for a layer without one.
-fn bias(l: &nn::Linear) -> Vec<f32> {
-    match &l.bs {
-        Some(b) => floats(b),
-        None => vec![0.0; l.ws.size()[0] as usize],
-    }
-}
-
-/// The values of a small tensor, in fp32.
-fn floats(t: &Tensor) -> Vec<f32> {
-    Vec::<f32>::try_from(t.detach().to_kind(Kind::Float).flatten(0, -1))
-        .unwrap_or_else(|e| panic!("reading a variable's values: {e}"))
 }
 
 /// `norm(y + bias + residual)` over the last dimension: `y` a product without its bias

@@ -96,7 +96,7 @@ impl Int8Weight {
 }
 
 /// A layer's bias values, zeros for a layer without one.
-fn bias_values(l: &nn::Linear) -> Vec<f32> {
+pub(crate) fn bias_values(l: &nn::Linear) -> Vec<f32> {
     match &l.bs {
         Some(b) => floats(b),
         None => vec![0.0; l.ws.size()[0] as usize],
@@ -104,7 +104,7 @@ fn bias_values(l: &nn::Linear) -> Vec<f32> {
 }
 
 /// The values of a small fp32 tensor.
-fn floats(t: &Tensor) -> Vec<f32> {
+pub(crate) fn floats(t: &Tensor) -> Vec<f32> {
     let t = t
         .detach()
         .to_kind(Kind::Float)
