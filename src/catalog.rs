@@ -1,5 +1,7 @@
 //! Registers a pipeline's tables in one DataFusion session and says what each one is.
+//! Tables live on local disk or in an object store ([`crate::storage`]).
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -9,20 +11,24 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{
     CsvReadOptions, JsonReadOptions, ParquetReadOptions, SessionConfig, SessionContext,
 };
-use deltalake::DeltaTable;
 use deltalake::delta_datafusion::planner::DeltaPlanner;
+use deltalake::{DeltaTable, DeltaTableBuilder};
+use futures::TryStreamExt;
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
 use url::Url;
 
 use crate::config::Compression;
 use crate::error::{Error, Result};
+use crate::storage::{Location, Remote};
 
 /// A table as resolved from the pipeline file.
 #[derive(Debug, Clone)]
 pub(crate) struct TableDef {
     pub name: String,
     pub kind: TableKind,
-    /// Absolute path (a file, a directory or a glob for file tables).
-    pub path: PathBuf,
+    /// Where it lives: an absolute path or an object-store URL (a file, a directory or a
+    /// glob for file tables).
+    pub location: Location,
 }
 
 #[derive(Debug, Clone)]
@@ -53,22 +59,81 @@ impl TableDef {
         matches!(self.kind, TableKind::Delta { .. })
     }
 
-    /// The table's URL for deltalake (local paths only for now).
+    /// The table's root URL for deltalake.
     pub(crate) fn url(&self) -> Result<Url> {
-        Url::from_directory_path(&self.path).map_err(|()| {
-            Error::Data(format!(
-                "table `{}`: `{}` is not an absolute local path",
-                self.name,
-                self.path.display()
-            ))
-        })
+        self.location
+            .dir_url()
+            .map_err(|m| Error::Data(format!("table `{}`: {m}", self.name)))
+    }
+
+    /// The local path of a table the scheduler uses (its run history, a watched table).
+    /// The plan refuses object-store tables there, so this is never the empty path it
+    /// gives for one.
+    pub(crate) fn local_dir(&self) -> &Path {
+        self.location.local().unwrap_or(Path::new(""))
+    }
+
+    /// A Delta table handle for this location, with its storage options, not loaded.
+    pub(crate) fn delta_builder(&self) -> Result<DeltaTableBuilder> {
+        DeltaTableBuilder::from_url(self.url()?)
+            .map(|b| b.with_storage_options(self.location.delta_options()))
+            .map_err(|e| Error::delta(format!("table `{}`", self.name), e))
+    }
+
+    /// True when a Delta table is there (its `_delta_log` holds a commit or checkpoint).
+    pub(crate) async fn delta_exists(&self) -> Result<bool> {
+        match &self.location {
+            Location::Local(path) => Ok(has_delta_log(path)),
+            Location::Remote(_) => self
+                .delta_builder()?
+                .build_storage()
+                .map_err(|e| Error::delta(format!("table `{}`", self.name), e))?
+                .is_delta_table_location()
+                .await
+                .map_err(|e| self.storage_error(e)),
+        }
+    }
+
+    /// A failed object-store request, said for people (which bucket, which credentials).
+    fn storage_error(&self, e: deltalake::DeltaTableError) -> Error {
+        match (&self.location, &e) {
+            (Location::Remote(r), deltalake::DeltaTableError::ObjectStore { source }) => {
+                Error::Data(format!(
+                    "table `{}`: {}",
+                    self.name,
+                    crate::storage::explain(r, source)
+                ))
+            }
+            _ => Error::delta(format!("table `{}`", self.name), e),
+        }
     }
 
     /// Registers the table in `ctx` and returns what identifies the data it reads now
     /// (a Delta version, or the files' sizes and modification times), for fingerprints.
     pub(crate) async fn register(&self, ctx: &SessionContext) -> Result<String> {
-        let path = self.path.to_string_lossy().into_owned();
+        let path = self.location.to_string();
         let engine = |e| Error::engine(format!("table `{}` ({path})", self.name), e);
+        if let Location::Remote(r) = &self.location
+            && !self.is_delta()
+        {
+            let store = r
+                .store()
+                .map_err(|m| Error::Data(format!("table `{}`: {m}", self.name)))?;
+            ctx.register_object_store(&r.store_url(), store);
+        }
+        let files = if self.is_delta() {
+            Vec::new()
+        } else {
+            let files = self.files().await?;
+            if files.is_empty() {
+                return Err(Error::Data(format!(
+                    "table `{}`: no file at `{path}`; check the path",
+                    self.name
+                )));
+            }
+            files
+        };
+        let extension = self.extension(&files);
         match &self.kind {
             TableKind::Delta { at } => {
                 let table = self.open_delta(at.as_ref()).await?;
@@ -83,11 +148,11 @@ impl TableDef {
                 Ok(format!("delta:{}@{version}", self.url()?))
             }
             TableKind::Parquet => {
-                let opts = ParquetReadOptions::default().file_extension(extension_of(&self.path));
+                let opts = ParquetReadOptions::default().file_extension(&extension);
                 ctx.register_parquet(self.name.as_str(), &path, opts)
                     .await
                     .map_err(engine)?;
-                file_identity(&self.path)
+                Ok(file_identity(&files))
             }
             TableKind::Csv {
                 has_header,
@@ -95,28 +160,30 @@ impl TableDef {
                 newlines_in_values,
                 compression,
             } => {
-                let schema = infer_csv_schema(&self.path, *has_header, *delimiter, *compression)
-                    .map_err(|m| Error::Data(format!("table `{}` ({path}): {m}", self.name)))?;
+                let first = self.read_start(&files[0]).await?;
+                let schema =
+                    infer_csv_schema(&files[0].name, first, *has_header, *delimiter, *compression)
+                        .map_err(|m| Error::Data(format!("table `{}` ({path}): {m}", self.name)))?;
                 let opts = CsvReadOptions::new()
                     .schema(&schema)
                     .has_header(*has_header)
                     .delimiter(*delimiter)
                     .newlines_in_values(*newlines_in_values)
-                    .file_extension(extension_of(&self.path))
+                    .file_extension(&extension)
                     .file_compression_type(compression_type(*compression));
                 ctx.register_csv(self.name.as_str(), &path, opts)
                     .await
                     .map_err(engine)?;
-                file_identity(&self.path)
+                Ok(file_identity(&files))
             }
             TableKind::Json { compression } => {
                 let opts = JsonReadOptions::default()
-                    .file_extension(extension_of(&self.path))
+                    .file_extension(&extension)
                     .file_compression_type(compression_type(*compression));
                 ctx.register_json(self.name.as_str(), &path, opts)
                     .await
                     .map_err(engine)?;
-                file_identity(&self.path)
+                Ok(file_identity(&files))
             }
         }
     }
@@ -125,17 +192,155 @@ impl TableDef {
     pub(crate) async fn open_delta(&self, at: Option<&TimeTravel>) -> Result<DeltaTable> {
         let url = self.url()?;
         let ctx = |what: &str| format!("table `{}`: cannot open {what} of {}", self.name, url);
-        match at {
-            None => deltalake::open_table(url.clone())
+        let builder = self.delta_builder()?;
+        let (builder, what) = match at {
+            None => (builder, "the Delta table".to_string()),
+            Some(TimeTravel::Version(v)) => (builder.with_version(*v), format!("version {v}")),
+            Some(TimeTravel::Timestamp(ts)) => (
+                builder
+                    .with_datestring(ts)
+                    .map_err(|e| Error::delta(ctx(&format!("the version at {ts}")), e))?,
+                format!("the version at {ts}"),
+            ),
+        };
+        builder.load().await.map_err(|e| match e {
+            deltalake::DeltaTableError::ObjectStore { .. } => self.storage_error(e),
+            e => Error::delta(ctx(&what), e),
+        })
+    }
+
+    /// The files a file table reads now, sorted by name.
+    pub(crate) async fn files(&self) -> Result<Vec<FileEntry>> {
+        match &self.location {
+            Location::Local(path) => files_of(path)?
+                .into_iter()
+                .map(|p| {
+                    let meta = std::fs::metadata(&p)
+                        .map_err(|e| Error::io(format!("reading {}", p.display()), e))?;
+                    let mtime = meta
+                        .modified()
+                        .ok()
+                        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                        .map_or(0, |d| d.as_nanos());
+                    Ok(FileEntry {
+                        name: p.to_string_lossy().into_owned(),
+                        size: meta.len(),
+                        version: mtime.to_string(),
+                        object: None,
+                    })
+                })
+                .collect(),
+            Location::Remote(r) => remote_files(r)
                 .await
-                .map_err(|e| Error::delta(ctx("the Delta table"), e)),
-            Some(TimeTravel::Version(v)) => deltalake::open_table_with_version(url.clone(), *v)
-                .await
-                .map_err(|e| Error::delta(ctx(&format!("version {v}")), e)),
-            Some(TimeTravel::Timestamp(ts)) => deltalake::open_table_with_ds(url.clone(), ts)
-                .await
-                .map_err(|e| Error::delta(ctx(&format!("the version at {ts}")), e)),
+                .map_err(|m| Error::Data(format!("table `{}`: {m}", self.name))),
         }
+    }
+
+    /// The listing extension DataFusion filters on: the file's own suffix for a single file
+    /// (so `x.csv.bz2` or `x.txt` are read), the kind's usual one for directories and globs.
+    fn extension(&self, files: &[FileEntry]) -> String {
+        let single = match &self.location {
+            Location::Local(path) => path.is_file(),
+            Location::Remote(r) => {
+                files.len() == 1 && r.key().is_ok_and(|k| files[0].object_key() == Some(&k))
+            }
+        };
+        let name = files.first().map(|f| f.name.as_str()).unwrap_or_default();
+        let name = name.rsplit('/').next().unwrap_or_default();
+        match (single, name.find('.')) {
+            (true, Some(i)) => name[i..].to_string(),
+            _ => String::new(),
+        }
+    }
+
+    /// The start of a file (all of it, up to [`CSV_INFER_BYTES`]), for schema inference.
+    async fn read_start(&self, file: &FileEntry) -> Result<Box<dyn Read + Send>> {
+        let fail = |m: String| Error::Data(format!("table `{}`: {}: {m}", self.name, file.name));
+        match (&self.location, &file.object) {
+            (Location::Remote(r), Some(meta)) => {
+                let store = r.store().map_err(fail)?;
+                let end = meta.size.min(CSV_INFER_BYTES);
+                let bytes = store
+                    .get_range(&meta.location, 0..end)
+                    .await
+                    .map_err(|e| fail(crate::storage::explain(r, &e)))?;
+                Ok(Box::new(std::io::Cursor::new(bytes)))
+            }
+            _ => {
+                let f = std::fs::File::open(&file.name).map_err(|e| fail(e.to_string()))?;
+                Ok(Box::new(std::io::BufReader::new(f)))
+            }
+        }
+    }
+}
+
+/// One file of a file table: its name (a path or a URL), size and version (a modification
+/// time or an ETag), which together identify the data it holds.
+#[derive(Debug, Clone)]
+pub(crate) struct FileEntry {
+    pub name: String,
+    pub size: u64,
+    pub version: String,
+    /// The object's metadata, in an object store.
+    object: Option<ObjectMeta>,
+}
+
+impl FileEntry {
+    fn object_key(&self) -> Option<&object_store::path::Path> {
+        self.object.as_ref().map(|m| &m.location)
+    }
+}
+
+/// The objects a remote file table reads: the object itself, every visible object under a
+/// prefix, or the matches of a glob.
+async fn remote_files(r: &Remote) -> Result<Vec<FileEntry>, String> {
+    let store = r.store()?;
+    let key = r.key()?;
+    let explain = |e: object_store::Error| crate::storage::explain(r, &e);
+    let text = key.as_ref().to_string();
+    let pattern = if text.contains(['*', '?', '[']) {
+        Some(glob::Pattern::new(&text).map_err(|e| format!("bad glob `{text}`: {e}"))?)
+    } else {
+        match store.head(&key).await {
+            Ok(meta) if !r.url().path().ends_with('/') => {
+                return Ok(vec![entry(r, meta)]);
+            }
+            Ok(_) | Err(object_store::Error::NotFound { .. }) => None,
+            Err(e) => return Err(explain(e)),
+        }
+    };
+    let prefix = r.list_prefix()?;
+    let objects: Vec<ObjectMeta> = store
+        .list(Some(&prefix))
+        .try_collect()
+        .await
+        .map_err(explain)?;
+    let mut files: Vec<FileEntry> = objects
+        .into_iter()
+        .filter(|m| match &pattern {
+            Some(p) => p.matches(m.location.as_ref()),
+            None => m
+                .location
+                .prefix_match(&prefix)
+                .is_some_and(|mut parts| !parts.any(|p| p.as_ref().starts_with(['.', '_']))),
+        })
+        .map(|m| entry(r, m))
+        .collect();
+    files.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(files)
+}
+
+fn entry(r: &Remote, meta: ObjectMeta) -> FileEntry {
+    let mut url = r.store_url();
+    url.set_path(meta.location.as_ref());
+    FileEntry {
+        name: url.to_string(),
+        size: meta.size,
+        version: meta
+            .e_tag
+            .clone()
+            .unwrap_or_else(|| meta.last_modified.to_rfc3339()),
+        object: Some(meta),
     }
 }
 
@@ -167,44 +372,31 @@ pub(crate) fn register_planned(
     Ok(())
 }
 
-/// True when `path` holds a Delta table (a `_delta_log` directory).
-pub(crate) fn delta_exists(path: &Path) -> bool {
+/// True when the local directory `path` holds a Delta table (a `_delta_log` directory).
+pub(crate) fn has_delta_log(path: &Path) -> bool {
     path.join("_delta_log").is_dir()
-}
-
-/// The listing extension DataFusion filters on: the file's own suffix for a single file
-/// (so `x.csv.bz2` or `x.txt` are read), the kind's usual one for directories and globs.
-fn extension_of(path: &Path) -> &str {
-    if path.is_file() {
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        match name.find('.') {
-            Some(i) => &name[i..],
-            None => "",
-        }
-    } else {
-        ""
-    }
 }
 
 /// Rows read to infer a CSV file's column types.
 const CSV_INFER_ROWS: usize = 1000;
+
+/// At most this much of a remote CSV file is fetched to infer its column types.
+const CSV_INFER_BYTES: u64 = 16 << 20;
 
 /// Infers a CSV table's schema from its first file, read as one stream.
 ///
 /// DataFusion's own inference parses the byte stream chunk by chunk, so a quoted value with a
 /// line break that straddles two chunks fails (as in the Rotten Tomatoes corpus).
 fn infer_csv_schema(
-    path: &Path,
+    first: &str,
+    file: Box<dyn Read + Send>,
     has_header: bool,
     delimiter: u8,
     compression: Compression,
 ) -> Result<arrow::datatypes::Schema, String> {
-    let files = files_of(path).map_err(|e| e.to_string())?;
-    let first = files.first().ok_or("no CSV file found")?;
-    let file = std::fs::File::open(first).map_err(|e| format!("{}: {e}", first.display()))?;
     let reader = compression_type(compression)
-        .convert_read(std::io::BufReader::new(file))
-        .map_err(|e| format!("{}: {e}", first.display()))?;
+        .convert_read(file)
+        .map_err(|e| format!("{first}: {e}"))?;
     arrow::csv::reader::Format::default()
         .with_header(has_header)
         .with_delimiter(delimiter)
@@ -217,10 +409,7 @@ fn infer_csv_schema(
             } else {
                 ""
             };
-            format!(
-                "{}: cannot infer the CSV columns: {e}{hint}",
-                first.display()
-            )
+            format!("{first}: cannot infer the CSV columns: {e}{hint}")
         })
 }
 
@@ -234,9 +423,9 @@ fn compression_type(c: Compression) -> FileCompressionType {
     }
 }
 
-/// Compression from a file name's last extension.
-pub(crate) fn compression_from_extension(path: &Path) -> Compression {
-    match path.extension().and_then(|e| e.to_str()) {
+/// Compression from a file name's (or URL's) last extension.
+pub(crate) fn compression_from_extension(name: &str) -> Compression {
+    match Path::new(name).extension().and_then(|e| e.to_str()) {
         Some("gz") => Compression::Gzip,
         Some("bz2") => Compression::Bzip2,
         Some("xz") => Compression::Xz,
@@ -281,18 +470,12 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Identity of a file table's data: each file's path, size and modification time.
-fn file_identity(path: &Path) -> Result<String> {
+/// Identity of a file table's data: each file's name, size and version (a modification time
+/// or an ETag).
+fn file_identity(files: &[FileEntry]) -> String {
     let mut id = String::from("files:");
-    for file in files_of(path)? {
-        let meta = std::fs::metadata(&file)
-            .map_err(|e| Error::io(format!("reading {}", file.display()), e))?;
-        let mtime = meta
-            .modified()
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_nanos());
-        id.push_str(&format!("{}:{}:{mtime};", file.display(), meta.len()));
+    for f in files {
+        id.push_str(&format!("{}:{}:{};", f.name, f.size, f.version));
     }
-    Ok(id)
+    id
 }

@@ -18,7 +18,7 @@ use deltalake::protocol::SaveMode;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use crate::catalog::{self, TableDef};
+use crate::catalog::TableDef;
 use crate::config::WriteMode;
 use crate::error::{Error, Result};
 
@@ -49,7 +49,7 @@ pub(crate) struct LastCommit {
 
 /// The latest version of a stage's target table, or `None` when a stage will create it.
 pub(crate) async fn open_target(def: &TableDef) -> Result<Option<DeltaTable>> {
-    if catalog::delta_exists(&def.path) {
+    if def.delta_exists().await? {
         Ok(Some(def.open_delta(None).await?))
     } else {
         Ok(None)
@@ -153,12 +153,14 @@ pub(crate) async fn write_stream(
     let table = match target {
         Some(table) => table,
         None => {
-            std::fs::create_dir_all(&def.path)
-                .map_err(|e| Error::io(format!("creating {}", def.path.display()), e))?;
+            if let Some(path) = def.location.local() {
+                std::fs::create_dir_all(path)
+                    .map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+            }
             // Not loaded, even if another writer has created the table since: this commit
             // then conflicts with theirs instead of silently building on rows it never saw.
-            deltalake::DeltaTableBuilder::from_url(def.url()?)
-                .and_then(|b| b.build())
+            def.delta_builder()?
+                .build()
                 .map_err(|e| Error::delta(format!("table `{}`", def.name), e))?
         }
     };

@@ -31,6 +31,7 @@ mod report;
 mod runtime;
 mod serve;
 mod stages;
+mod storage;
 mod tokenize;
 mod track;
 mod train;

@@ -57,7 +57,7 @@ impl Pipeline {
             .collect();
         for r in &written {
             let version = r.version.map(|v| format!(" v{v}")).unwrap_or_default();
-            let path = self.tables[&r.table].path.display();
+            let path = &self.tables[&r.table].location;
             let _ = write!(out, "\n  table {}{version}: {path}", r.table);
         }
         let predictions = written.iter().rev().find(|r| r.kind == "predict");

@@ -24,6 +24,7 @@ pub(crate) use stages::{
     Every, OnBad, OnEmpty, OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec,
     SaveWhich, Schedule, Source, TokenizeSpec, TrainSpec, Truncation, WriteMode, WriteSpec,
 };
+pub(crate) use suggest::closest;
 use suggest::describe_yaml_error;
 
 /// A whole pipeline file.
@@ -45,6 +46,47 @@ pub(crate) struct PipelineFile {
     pub jobs: BTreeMap<String, JobSpec>,
     /// `pipeline schedule`: the run history table, poll interval and shutdown grace.
     pub scheduler: Option<SchedulerSpec>,
+    /// Defaults for every object-store URL in the file, by provider.
+    #[serde(default)]
+    pub storage: StorageSpec,
+}
+
+/// `storage:`: options for every URL of a provider, in delta-rs's key names.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct StorageSpec {
+    #[serde(default)]
+    pub s3: OptionMap,
+    #[serde(default)]
+    pub azure: OptionMap,
+    #[serde(default)]
+    pub gcs: OptionMap,
+}
+
+/// Storage options as written: keys to scalar values (`allow_http: true` reads as "true").
+pub(crate) type OptionMap = BTreeMap<String, OptionValue>;
+
+/// One storage option's value. It may be a secret, so `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct OptionValue(pub String);
+
+impl std::fmt::Debug for OptionValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+impl<'de> Deserialize<'de> for OptionValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        match serde_yaml_ng::Value::deserialize(d)? {
+            serde_yaml_ng::Value::String(s) => Ok(Self(s)),
+            serde_yaml_ng::Value::Bool(b) => Ok(Self(b.to_string())),
+            serde_yaml_ng::Value::Number(n) => Ok(Self(n.to_string())),
+            _ => Err(serde::de::Error::custom(
+                "a storage option's value is a string, a number or true/false",
+            )),
+        }
+    }
 }
 
 /// One table: exactly one of `delta`, `parquet`, `csv`, `json` gives its kind and path.
@@ -68,6 +110,9 @@ pub(crate) struct TableSpec {
     pub newlines_in_values: Option<bool>,
     /// CSV / JSON: compression of the file; default from the file extension.
     pub compression: Option<Compression>,
+    /// Object-store options for this table (over the file's `storage:` defaults).
+    #[serde(default)]
+    pub storage_options: OptionMap,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]

@@ -16,6 +16,11 @@ const KNOWN_KEYS: &[&str] = &[
     "delimiter",
     "newlines_in_values",
     "compression",
+    "storage",
+    "storage_options",
+    "s3",
+    "azure",
+    "gcs",
     "write",
     "tokenize",
     "from",
@@ -103,7 +108,7 @@ const KNOWN_KEYS: &[&str] = &[
 ];
 
 /// The known word within edit distance 2 of `word`, if any.
-fn closest<'a>(word: &str, known: &[&'a str]) -> Option<&'a str> {
+pub(crate) fn closest<'a>(word: &str, known: &[&'a str]) -> Option<&'a str> {
     known
         .iter()
         .map(|k| (edit_distance(word, k), *k))

@@ -310,11 +310,11 @@ pub(crate) struct History {
 impl History {
     /// Opens the table, creating it (empty) when missing.
     pub(crate) async fn open(&self) -> Result<DeltaTable> {
-        if catalog::delta_exists(&self.def.path) {
+        if catalog::has_delta_log(self.def.local_dir()) {
             return self.def.open_delta(None).await;
         }
-        std::fs::create_dir_all(&self.def.path)
-            .map_err(|e| Error::io(format!("creating {}", self.def.path.display()), e))?;
+        std::fs::create_dir_all(self.def.local_dir())
+            .map_err(|e| Error::io(format!("creating {}", self.def.location), e))?;
         let fresh = deltalake::DeltaTableBuilder::from_url(self.def.url()?)
             .and_then(|b| b.build())
             .map_err(|e| Error::delta(format!("table `{}`", self.def.name), e))?;
@@ -327,9 +327,11 @@ impl History {
         match created {
             Ok(table) => Ok(table),
             // Another scheduler created it a moment ago.
-            Err(_) if catalog::delta_exists(&self.def.path) => self.def.open_delta(None).await,
+            Err(_) if catalog::has_delta_log(self.def.local_dir()) => {
+                self.def.open_delta(None).await
+            }
             Err(e) => Err(Error::delta(
-                format!("creating the run history `{}`", self.def.path.display()),
+                format!("creating the run history `{}`", self.def.location),
                 e,
             )),
         }
@@ -401,7 +403,7 @@ impl History {
 
     /// Every row, oldest first.
     pub(crate) async fn read(&self) -> Result<Vec<RunRecord>> {
-        if !catalog::delta_exists(&self.def.path) {
+        if !catalog::has_delta_log(self.def.local_dir()) {
             return Ok(Vec::new());
         }
         let ctx = catalog::session();

@@ -64,7 +64,8 @@ impl JobRun {
             .tables
             .iter()
             .map(|t| {
-                let v = super::watch::latest_version(&t.path).map_or(Value::Null, Value::from);
+                let v =
+                    super::watch::latest_version(t.local_dir()).map_or(Value::Null, Value::from);
                 (t.name.clone(), v)
             })
             .collect();

@@ -50,7 +50,7 @@ struct Lock {
 }
 
 fn lock(settings: &SchedulerSettings, pipeline: &Pipeline) -> Result<Lock> {
-    let path = runner::lock_path(&settings.history.path);
+    let path = runner::lock_path(settings.history.local_dir());
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
@@ -222,7 +222,7 @@ impl Pipeline {
             &format!(
                 "pid={} history={} poll={} watched_tables={}",
                 std::process::id(),
-                history.def.path.display(),
+                history.def.location,
                 timing::human(settings.poll),
                 watches.len()
             ),

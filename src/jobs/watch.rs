@@ -103,12 +103,12 @@ impl TableWatch {
     /// Looks at the table once: its newest data change so far.
     pub(crate) fn new(def: TableDef) -> Self {
         if def.is_delta() {
-            let version = latest_version(&def.path);
+            let version = latest_version(def.local_dir());
             let mut last_change_ms = None;
             if let Some(newest) = version {
                 let oldest = newest.saturating_sub(FIRST_LOOK_COMMITS);
                 for v in (oldest..=newest).rev() {
-                    match read_commit(&def.path, v) {
+                    match read_commit(def.local_dir(), v) {
                         Some((true, at)) => {
                             last_change_ms = Some(at);
                             break;
@@ -124,7 +124,7 @@ impl TableWatch {
                 last_change_ms,
             }
         } else {
-            let seen = file_state(&def.path);
+            let seen = file_state(def.local_dir());
             let last_change_ms = seen.values().map(|(_, m)| *m).max();
             Self {
                 def,
@@ -140,10 +140,10 @@ impl TableWatch {
             State::Delta { version } => {
                 if version.is_none() {
                     // Not created yet: one listing until it is.
-                    *version = latest_version(&self.def.path);
+                    *version = latest_version(self.def.local_dir());
                     if let Some(v) = *version {
                         for past in 0..=v {
-                            if let Some((true, at)) = read_commit(&self.def.path, past) {
+                            if let Some((true, at)) = read_commit(self.def.local_dir(), past) {
                                 self.last_change_ms = self.last_change_ms.max(Some(at));
                             }
                         }
@@ -152,17 +152,17 @@ impl TableWatch {
                 }
                 while let Some(current) = *version {
                     let next = current + 1;
-                    if !log_file(&self.def.path, next).exists() {
+                    if !log_file(self.def.local_dir(), next).exists() {
                         break;
                     }
-                    if let Some((true, at)) = read_commit(&self.def.path, next) {
+                    if let Some((true, at)) = read_commit(self.def.local_dir(), next) {
                         self.last_change_ms = self.last_change_ms.max(Some(at));
                     }
                     *version = Some(next);
                 }
             }
             State::Files { seen } => {
-                let now = file_state(&self.def.path);
+                let now = file_state(self.def.local_dir());
                 if now != *seen {
                     let newest_changed = now
                         .iter()
@@ -219,7 +219,7 @@ mod tests {
         let def = TableDef {
             name: "t".into(),
             kind: TableKind::Delta { at: None },
-            path: t.clone(),
+            location: crate::storage::Location::Local(t.clone()),
         };
         let mut w = TableWatch::new(def);
         assert_eq!((w.version(), w.last_change_ms()), (Some(0), Some(1_000)));
@@ -255,7 +255,7 @@ mod tests {
         let def = TableDef {
             name: "pq".into(),
             kind: TableKind::Parquet,
-            path: d.clone(),
+            location: crate::storage::Location::Local(d.clone()),
         };
         let mut w = TableWatch::new(def);
         let first = w.last_change_ms();

@@ -177,6 +177,13 @@ pub(crate) fn plan_jobs(
                              so it never changes; watch an unpinned table"
                         ));
                     }
+                    if def.location.remote().is_some() {
+                        return Err(format!(
+                            "{field}.on.table_updated: table `{t}` is in an object store, and \
+                             the scheduler watches local tables only for now; trigger the job \
+                             with `cron` or `every`"
+                        ));
+                    }
                     watched.push(def.clone());
                 }
                 let opt = |key: &str, v: &Option<String>| match v {
@@ -272,6 +279,12 @@ pub(crate) fn plan_scheduler(
                     "scheduler.history: table `{name}` must be an unpinned Delta table"
                 ));
             }
+            if def.location.remote().is_some() {
+                return Err(format!(
+                    "scheduler.history: table `{name}` is in an object store, and the run \
+                     history is kept on local disk only for now; give a local path"
+                ));
+            }
             def.clone()
         }
         None => {
@@ -285,12 +298,12 @@ pub(crate) fn plan_scheduler(
             let dir = tables
                 .values()
                 .find(|t| t.is_delta())
-                .and_then(|t| t.path.parent().map(Path::to_path_buf))
+                .and_then(|t| t.location.local()?.parent().map(Path::to_path_buf))
                 .unwrap_or_else(|| base.join("lake"));
             let def = TableDef {
                 name: DEFAULT_HISTORY.into(),
                 kind: TableKind::Delta { at: None },
-                path: dir.join(DEFAULT_HISTORY),
+                location: crate::storage::Location::Local(dir.join(DEFAULT_HISTORY)),
             };
             tables.insert(DEFAULT_HISTORY.into(), def.clone());
             def

@@ -17,6 +17,8 @@ use datafusion::prelude::SessionContext;
 use crate::catalog::{self, TableDef, TableKind};
 use crate::config::{PipelineFile, PredictMode, Source, StageKind, WriteMode};
 use crate::error::{Error, Result};
+pub(crate) use crate::storage::resolve;
+use crate::storage::{Defaults, Provider, StorageOptions};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
 pub(crate) use checks::is_string;
 use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
@@ -42,6 +44,8 @@ pub struct Pipeline {
     pub(crate) jobs: Vec<Job>,
     /// `scheduler:` (with the run history table); present when the file has jobs.
     pub(crate) scheduler: Option<SchedulerSettings>,
+    /// `storage:`: defaults for object-store URLs (models of `serve:` use them too).
+    pub(crate) storage: Defaults,
 }
 
 #[derive(Debug)]
@@ -140,31 +144,6 @@ impl Stage {
     }
 }
 
-/// `~/x` and paths relative to the pipeline file's directory.
-pub(crate) fn resolve(base: &Path, path: &str) -> PathBuf {
-    let expanded = match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
-        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
-        _ => PathBuf::from(path),
-    };
-    let joined = if expanded.is_absolute() {
-        expanded
-    } else {
-        base.join(expanded)
-    };
-    // Lexical clean-up of `.` and `..` so messages and table URLs read naturally.
-    let mut out = PathBuf::new();
-    for part in joined.components() {
-        match part {
-            std::path::Component::ParentDir => {
-                out.pop();
-            }
-            std::path::Component::CurDir => {}
-            other => out.push(other),
-        }
-    }
-    out
-}
-
 impl Pipeline {
     /// Reads a pipeline file and checks everything that needs no table: keys, kinds, files,
     /// names. [`Pipeline::validate`] then checks queries and columns against the tables.
@@ -177,9 +156,19 @@ impl Pipeline {
             .unwrap_or_else(|| PathBuf::from("."));
         let err = |m: String| Error::config(&file, m);
 
+        let option_map =
+            |m: crate::config::OptionMap| StorageOptions::new(m.into_iter().map(|(k, v)| (k, v.0)));
+        let storage = Defaults::new([
+            (Provider::S3, option_map(spec.storage.s3)),
+            (Provider::Azure, option_map(spec.storage.azure)),
+            (Provider::Gcs, option_map(spec.storage.gcs)),
+        ]);
+        storage.check().map_err(err)?;
+
         let mut tables = BTreeMap::new();
         for (name, t) in spec.tables {
-            let def = table_def(&base, &name, t).map_err(|m| err(format!("tables.{name}: {m}")))?;
+            let def = table_def(&base, &name, t, &storage)
+                .map_err(|m| err(format!("tables.{name}: {m}")))?;
             tables.insert(name, def);
         }
 
@@ -231,7 +220,8 @@ impl Pipeline {
                             "{field}.labels: set `label` (the label column) too"
                         )));
                     }
-                    let tokenizer = resolve(&base, &t.tokenizer);
+                    let tokenizer = crate::storage::model_dir(&base, &t.tokenizer, &storage)
+                        .map_err(|m| err(format!("{field}.tokenizer: {m}")))?;
                     let json = if tokenizer.is_dir() {
                         tokenizer.join("tokenizer.json")
                     } else {
@@ -275,10 +265,11 @@ impl Pipeline {
                     })
                 }
                 StageKind::Train(t) => Stage::Train(Box::new(
-                    train::train_stage(&base, i, *t, &stages).map_err(err)?,
+                    train::train_stage(&base, i, *t, &stages, &storage).map_err(err)?,
                 )),
                 StageKind::Predict(p) => {
-                    let stage = predict::predict_stage(&base, i, *p, &stages).map_err(err)?;
+                    let stage =
+                        predict::predict_stage(&base, i, *p, &stages, &storage).map_err(err)?;
                     output_table(&tables, &stage.to, &stage.field).map_err(err)?;
                     Stage::Predict(Box::new(stage))
                 }
@@ -340,13 +331,12 @@ impl Pipeline {
         }
         for def in tables.values() {
             let written = stages.iter().any(|s| s.to() == Some(def.name.as_str()));
-            if def.is_delta() && !written && !catalog::delta_exists(&def.path) {
-                return Err(err(format!(
-                    "tables.{}: no Delta table at `{}` (no _delta_log) and no stage writes it; \
-                     fix the path, or add a stage that writes it",
-                    def.name,
-                    def.path.display()
-                )));
+            let missing = def
+                .location
+                .local()
+                .is_some_and(|p| !catalog::has_delta_log(p));
+            if def.is_delta() && !written && missing {
+                return Err(err(missing_table(def)));
             }
         }
         let scheduler = plan_scheduler(spec.scheduler, &base, &mut tables, !spec.jobs.is_empty())
@@ -361,6 +351,7 @@ impl Pipeline {
             serve: spec.serve,
             jobs,
             scheduler,
+            storage,
         })
     }
 
@@ -371,14 +362,33 @@ impl Pipeline {
 
     /// Registers every table that exists in `ctx`; returns what each one reads now (for
     /// fingerprints). Tables that a stage will create are left out.
+    ///
+    /// Object stores are asked first, once per table: a missing bucket, refused credentials
+    /// or an unreachable endpoint is a configuration error before any work.
     pub(crate) async fn register_tables(
         &self,
         ctx: &SessionContext,
     ) -> Result<HashMap<String, String>> {
+        let err = |m: String| Error::config(&self.file, m);
+        for def in self.tables.values() {
+            if let Some(remote) = def.location.remote() {
+                remote
+                    .probe()
+                    .await
+                    .map_err(|m| err(format!("tables.{}: {m}", def.name)))?;
+            }
+        }
         let mut identities = HashMap::new();
         for def in self.tables.values() {
-            if def.is_delta() && !catalog::delta_exists(&def.path) {
-                continue; // written by a stage (checked in load)
+            if def.is_delta() && !def.delta_exists().await? {
+                let written = self
+                    .stages
+                    .iter()
+                    .any(|s| s.to() == Some(def.name.as_str()));
+                if written {
+                    continue; // a stage creates it
+                }
+                return Err(err(missing_table(def)));
             }
             let identity = def
                 .register(ctx)
@@ -462,15 +472,13 @@ impl Pipeline {
 
     async fn check_write_target(&self, w: &WriteStage, schema: &Schema) -> Result<(), String> {
         let def = &self.tables[&w.to];
-        if !catalog::delta_exists(&def.path) {
+        if !def.delta_exists().await.map_err(|e| e.to_string())? {
             return Ok(()); // every mode creates a table that does not exist yet
         }
         match w.mode {
             WriteMode::Create => Err(format!(
                 "{}: table `{}` already exists at {}; use `mode: overwrite` or `mode: append`",
-                w.field,
-                w.to,
-                def.path.display()
+                w.field, w.to, def.location
             )),
             WriteMode::Overwrite => Ok(()),
             WriteMode::Append => appendable(def, schema).await?.map_err(|d| {
@@ -488,7 +496,9 @@ impl Pipeline {
     /// An incremental predict stage appends to its table: the columns must match.
     async fn check_predict_target(&self, p: &PredictStage, schema: &Schema) -> Result<(), String> {
         let def = &self.tables[&p.to];
-        if p.mode == PredictMode::Overwrite || !catalog::delta_exists(&def.path) {
+        if p.mode == PredictMode::Overwrite
+            || !def.delta_exists().await.map_err(|e| e.to_string())?
+        {
             return Ok(());
         }
         appendable(def, schema).await?.map_err(|d| {
@@ -524,7 +534,8 @@ pub(super) fn query(base: &Path, s: &Source, field: &str) -> Result<Query, Strin
             origin: format!("{field}.sql"),
         }),
         (None, None, Some(file)) => {
-            let path = resolve(base, file);
+            let path = crate::storage::local_path(base, file)
+                .map_err(|m| format!("{field}.sql_file: {m}"))?;
             let sql = std::fs::read_to_string(&path)
                 .map_err(|e| format!("{field}.sql_file: cannot read `{}`: {e}", path.display()))?;
             Ok(Query {
@@ -536,6 +547,15 @@ pub(super) fn query(base: &Path, s: &Source, field: &str) -> Result<Query, Strin
             "{field}: give exactly one of `from` (a table), `sql` or `sql_file`"
         )),
     }
+}
+
+/// A declared Delta table that is not there and that no stage writes.
+fn missing_table(def: &TableDef) -> String {
+    format!(
+        "tables.{}: no Delta table at `{}` (no _delta_log) and no stage writes it; fix the \
+         path, or add a stage that writes it",
+        def.name, def.location
+    )
 }
 
 /// The table of an `optimize` or `vacuum` stage: a declared, unpinned Delta table.

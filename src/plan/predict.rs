@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use super::train::device;
-use super::{Stage, query, resolve};
+use super::{Stage, query};
 use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec, Truncation};
 use crate::model::ModelConfig;
 use crate::predict::PredictSettings;
@@ -76,11 +76,13 @@ pub(super) fn predict_stage(
     i: usize,
     p: PredictSpec,
     earlier: &[Stage],
+    storage: &crate::storage::Defaults,
 ) -> Result<PredictStage, String> {
     let field = format!("stages[{i}].predict");
     let f = field.as_str();
     let query = query(base, &p.source, f)?;
-    let model = resolve(base, &p.model);
+    let model = crate::storage::model_dir(base, &p.model, storage)
+        .map_err(|m| format!("{f}.model: {m}"))?;
     // The model may be the one an earlier train stage of this pipeline writes.
     let trainer = earlier.iter().find_map(|s| match s {
         Stage::Train(t) if t.output.join("model") == model => Some(t),

@@ -2,12 +2,18 @@
 
 use std::path::Path;
 
-use super::resolve;
 use crate::catalog::{self, TableDef, TableKind, TimeTravel};
 use crate::config::TableSpec;
+use crate::storage::{Defaults, Location, StorageOptions};
 
-/// Checks one `tables:` entry: one kind, options that fit it, files that exist.
-pub(super) fn table_def(base: &Path, name: &str, t: TableSpec) -> Result<TableDef, String> {
+/// Checks one `tables:` entry: one kind, options that fit it, local files that exist (an
+/// object store is asked later, before any work: see `Pipeline::register_tables`).
+pub(super) fn table_def(
+    base: &Path,
+    name: &str,
+    t: TableSpec,
+    defaults: &Defaults,
+) -> Result<TableDef, String> {
     let kinds: Vec<(&str, &String)> = [
         ("delta", t.delta.as_ref()),
         ("parquet", t.parquet.as_ref()),
@@ -22,7 +28,8 @@ pub(super) fn table_def(base: &Path, name: &str, t: TableSpec) -> Result<TableDe
             "give exactly one of `delta`, `parquet`, `csv`, `json` with the table's path".into(),
         );
     };
-    let path = resolve(base, path);
+    let options = StorageOptions::new(t.storage_options.into_iter().map(|(k, v)| (k, v.0)));
+    let location = Location::parse(base, path, defaults, &options)?;
     if kind != "delta" && (t.version.is_some() || t.timestamp.is_some()) {
         return Err("`version` and `timestamp` (time travel) apply to `delta` tables only".into());
     }
@@ -36,8 +43,9 @@ pub(super) fn table_def(base: &Path, name: &str, t: TableSpec) -> Result<TableDe
     if matches!(kind, "delta" | "parquet") && t.compression.is_some() {
         return Err("`compression` applies to `csv` and `json` tables only".into());
     }
-    if kind != "delta"
-        && catalog::files_of(&path)
+    if let Some(path) = location.local()
+        && kind != "delta"
+        && catalog::files_of(path)
             .map_err(|e| e.to_string())?
             .is_empty()
     {
@@ -48,7 +56,7 @@ pub(super) fn table_def(base: &Path, name: &str, t: TableSpec) -> Result<TableDe
     }
     let compression = t
         .compression
-        .unwrap_or_else(|| catalog::compression_from_extension(&path));
+        .unwrap_or_else(|| catalog::compression_from_extension(&location.to_string()));
     let kind = match kind {
         "delta" => {
             let at = match (t.version, t.timestamp) {
@@ -65,7 +73,10 @@ pub(super) fn table_def(base: &Path, name: &str, t: TableSpec) -> Result<TableDe
                 }
                 (None, None) => None,
             };
-            if at.is_some() && !catalog::delta_exists(&path) {
+            if let Some(path) = location.local()
+                && at.is_some()
+                && !catalog::has_delta_log(path)
+            {
                 return Err(format!(
                     "time travel needs an existing Delta table, and `{}` has no _delta_log",
                     path.display()
@@ -93,6 +104,6 @@ pub(super) fn table_def(base: &Path, name: &str, t: TableSpec) -> Result<TableDe
     Ok(TableDef {
         name: name.to_string(),
         kind,
-        path,
+        location,
     })
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use arrow::datatypes::{DataType, Schema};
 
 use super::checks::{column_list, is_string};
-use super::{Stage, query, resolve};
+use super::{Stage, query};
 use crate::catalog::TableDef;
 use crate::config::{Every as EverySpec, Precision, TrainSpec};
 use crate::delta;
@@ -97,11 +97,15 @@ pub(super) fn train_stage(
     i: usize,
     t: TrainSpec,
     earlier: &[Stage],
+    storage: &crate::storage::Defaults,
 ) -> Result<TrainStage, String> {
     let field = format!("stages[{i}].train");
     let f = field.as_str();
     let query = query(base, &t.source, f)?;
-    let model = resolve(base, &t.model);
+    let model = crate::storage::model_dir(base, &t.model, storage)
+        .map_err(|m| format!("{f}.model: {m}"))?;
+    let output =
+        crate::storage::local_path(base, &t.output).map_err(|m| format!("{f}.output: {m}"))?;
     if !model.is_dir() {
         return Err(format!(
             "{f}.model: `{}` is not a directory; give an HF model directory (config.json, \
@@ -221,7 +225,7 @@ pub(super) fn train_stage(
         name: t.name.unwrap_or_else(|| "train".into()),
         field,
         query,
-        output: resolve(base, &t.output),
+        output,
         model,
         config,
         id,

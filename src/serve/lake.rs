@@ -120,7 +120,7 @@ impl Lake {
         for (name, def) in tables {
             match &def.kind {
                 TableKind::Delta { at: None } => {
-                    let table = if crate::catalog::delta_exists(&def.path) {
+                    let table = if def.delta_exists().await? {
                         let t = def.open_delta(None).await?;
                         t.update_datafusion_session(&ctx.state())
                             .map_err(|e| Error::delta(format!("table `{name}`"), e))?;
@@ -215,7 +215,7 @@ impl Lake {
         let delta = |e| Error::delta(format!("table `{name}`"), e);
         let mut guard = live.table.lock().await;
         if guard.is_none() {
-            if !crate::catalog::delta_exists(&live.def.path) {
+            if !live.def.delta_exists().await? {
                 return Ok(None);
             }
             *guard = Some(live.def.open_delta(None).await?);

@@ -77,7 +77,8 @@ impl ServeConfig {
                      `_`, starting with a letter (not `predict…` or an SQL word)"
                 ));
             }
-            let dir = crate::plan::resolve(base, &m.path);
+            let dir = crate::storage::model_dir(base, &m.path, &pipeline.storage)
+                .map_err(|e| format!("{f}: {e}"))?;
             if !dir.is_dir() {
                 return Err(format!(
                     "{f}: `{}` is not a directory; give a fine-tuned model directory (the \

@@ -212,7 +212,7 @@ impl Pipeline {
         // ones back (or nothing, for tables a stage will create).
         let outputs: BTreeSet<&str> = self.stages.iter().filter_map(Stage::to).collect();
         for name in outputs {
-            if catalog::delta_exists(&self.tables[name].path) {
+            if self.tables[name].delta_exists().await? {
                 run.refresh(name).await?;
             } else {
                 run.ctx

@@ -1,0 +1,140 @@
+//! lakeml's object-store and log-store factories, registered with delta-rs for each
+//! object-store URL scheme.
+//!
+//! delta-rs's `s3` feature would bring the AWS SDK (about 41 crates) for a DynamoDB lock that
+//! S3's conditional puts have made unnecessary. object_store's own S3, Azure and GCS clients
+//! are already compiled (the Delta kernel needs them), so lakeml builds stores with them and
+//! keeps delta-rs's default log store, whose commits are `PutMode::Create` puts.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Once};
+
+use deltalake::logstore::{
+    LogStore, LogStoreFactory, ObjectStoreFactory, ObjectStoreRef, StorageConfig, default_logstore,
+    logstore_factories, object_store_factories,
+};
+use deltalake::{DeltaResult, DeltaTableError, Path};
+use object_store::ObjectStore;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use url::Url;
+
+use super::Provider;
+
+/// Registers the factories once per process; later calls do nothing.
+pub(super) fn register() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        for provider in Provider::ALL {
+            for scheme in provider.schemes() {
+                let Ok(url) = Url::parse(&format!("{scheme}://")) else {
+                    continue;
+                };
+                object_store_factories().insert(url.clone(), Arc::new(Factory(provider)));
+                logstore_factories().insert(url, Arc::new(Factory(provider)));
+            }
+        }
+    });
+}
+
+/// Builds the store for a bucket or container (`url` is `scheme://bucket`) from the
+/// provider's environment variables and `options`, which win. Makes no request.
+pub(super) fn build(
+    provider: Provider,
+    url: &Url,
+    options: &HashMap<String, String>,
+) -> Result<Arc<dyn ObjectStore>, object_store::Error> {
+    build_with(provider, url, options, None)
+}
+
+pub(super) fn build_with(
+    provider: Provider,
+    url: &Url,
+    options: &HashMap<String, String>,
+    retry: Option<object_store::RetryConfig>,
+) -> Result<Arc<dyn ObjectStore>, object_store::Error> {
+    // Keys that are delta-rs's own (retries, limits) are not the builder's.
+    let keys = options.iter().map(|(k, v)| (k.to_ascii_lowercase(), v));
+    Ok(match provider {
+        Provider::S3 => {
+            let mut b = AmazonS3Builder::from_env().with_url(url.as_str());
+            for (k, v) in keys {
+                if let Ok(key) = AmazonS3ConfigKey::from_str(&k) {
+                    b = b.with_config(key, v);
+                }
+            }
+            if let Some(retry) = retry {
+                b = b.with_retry(retry);
+            }
+            Arc::new(b.build()?)
+        }
+        Provider::Azure => {
+            let mut b = MicrosoftAzureBuilder::from_env().with_url(url.as_str());
+            for (k, v) in keys {
+                if let Ok(key) = AzureConfigKey::from_str(&k) {
+                    b = b.with_config(key, v);
+                }
+            }
+            if let Some(retry) = retry {
+                b = b.with_retry(retry);
+            }
+            Arc::new(b.build()?)
+        }
+        Provider::Gcs => {
+            let mut b = GoogleCloudStorageBuilder::from_env().with_url(url.as_str());
+            for (k, v) in keys {
+                if let Ok(key) = GoogleConfigKey::from_str(&k) {
+                    b = b.with_config(key, v);
+                }
+            }
+            if let Some(retry) = retry {
+                b = b.with_retry(retry);
+            }
+            Arc::new(b.build()?)
+        }
+    })
+}
+
+/// delta-rs asks this for a table's store and log store.
+struct Factory(Provider);
+
+impl ObjectStoreFactory for Factory {
+    fn parse_url_opts(
+        &self,
+        url: &Url,
+        config: &StorageConfig,
+    ) -> DeltaResult<(ObjectStoreRef, Path)> {
+        let mut root = url.clone();
+        root.set_path("");
+        let mut store = build_with(self.0, &root, &config.raw, Some(config.retry.clone()))
+            .map_err(|e| DeltaTableError::generic(e.to_string()))?;
+        if let Some(runtime) = &config.runtime {
+            store = Arc::new(deltalake::logstore::DeltaIOStorageBackend::new(
+                store,
+                runtime.clone(),
+            )) as Arc<dyn ObjectStore>;
+        }
+        let path =
+            Path::from_url_path(url.path()).map_err(|e| DeltaTableError::generic(e.to_string()))?;
+        Ok((store, path))
+    }
+}
+
+impl LogStoreFactory for Factory {
+    fn with_options(
+        &self,
+        prefixed_store: ObjectStoreRef,
+        root_store: ObjectStoreRef,
+        location: &Url,
+        options: &StorageConfig,
+    ) -> DeltaResult<Arc<dyn LogStore>> {
+        Ok(default_logstore(
+            prefixed_store,
+            root_store,
+            location,
+            options,
+        ))
+    }
+}
