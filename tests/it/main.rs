@@ -13,5 +13,6 @@ mod real_data;
 mod serve;
 mod serving;
 mod spark;
+mod storage;
 mod tokenize;
 mod train;

@@ -1,0 +1,443 @@
+//! Tables and models in object stores, against real S3 and Azure Blob API servers (moto's
+//! `moto_server` and Azurite, installed by scripts/test.sh) on 127.0.0.1: stages write and
+//! read Delta tables there, predictions equal the local run's and read back in delta-rs's
+//! Python reader, concurrent writers commit once, models are copied once into the cache, and
+//! bad locations or options are refused with exit 2 before anything is written.
+//!
+//! Each server is started once, by the one test that uses it, and stopped with its process
+//! group when that test ends.
+
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::{
+    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, minilm, repo,
+};
+use crate::mlflow_server::free_port;
+
+/// A test server on 127.0.0.1, stopped with its process group when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(program: PathBuf, args: &[String]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| a.replace("{port}", &port.to_string()))
+            .collect();
+        let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
+        let child = Command::new(&program)
+            .args(&args)
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", program.display()));
+        let server = Self {
+            child,
+            port,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "{} did not listen within 60 s",
+                program.display()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+
+    fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child's process group.
+        unsafe { libc::killpg(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+/// tests/py/object_store.py: buckets, uploads and Delta reads with pyarrow and delta-rs.
+fn store_py(kind: &str, server: &Server, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env_path("LAKEML_PYTHON"))
+        .arg(repo().join("tests/py/object_store.py"))
+        .args([kind, &server.endpoint()])
+        .args(args)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "object_store.py {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+/// `pipeline ARGS` in the scratch directory with `env` set.
+fn pipeline(s: &Scratch, args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(args)
+        .envs(env.iter().copied())
+        .env("LAKEML_CACHE", s.path().join("cache"))
+        .current_dir(s.path())
+        .output()
+        .expect("run pipeline")
+}
+
+fn run_json(s: &Scratch, file: &str, env: &[(&str, &str)]) -> (Vec<serde_json::Value>, String) {
+    let out = pipeline(s, &["run", "--json", "--quiet", file], env);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{file} failed:\n{stderr}");
+    let reports = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("report json"))
+        .collect();
+    (reports, stderr)
+}
+
+/// Runs `file`, which must fail with exit 2; returns stderr.
+fn refused(s: &Scratch, file: &str, env: &[(&str, &str)]) -> String {
+    let started = Instant::now();
+    let out = pipeline(s, &["run", file], env);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{file}: expected exit 2:\n{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{file}: refusing took {:?}",
+        started.elapsed()
+    );
+    stderr
+}
+
+/// `label` and `score` by id.
+fn predictions(rows: &serde_json::Value) -> Vec<(i64, String, f64)> {
+    rows.as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_i64().expect("id"),
+                r["label"].as_str().expect("label").to_string(),
+                r["score"].as_f64().expect("score"),
+            )
+        })
+        .collect()
+}
+
+fn assert_same_predictions(remote: &serde_json::Value, local: &serde_json::Value, n: usize) {
+    let (remote, local) = (predictions(remote), predictions(local));
+    assert_eq!(remote.len(), n);
+    assert_eq!(remote.len(), local.len());
+    for (r, l) in remote.iter().zip(&local) {
+        assert_eq!((r.0, &r.1), (l.0, &l.1), "label of id {}", l.0);
+        assert!(
+            (r.2 - l.2).abs() < 1e-5,
+            "score of id {}: {} vs {}",
+            l.0,
+            r.2,
+            l.2
+        );
+    }
+}
+
+const ROWS: usize = 40;
+
+/// A scratch directory with a MiniLM classifier (`model/`), `ROWS` reviews in the local
+/// Delta table `lake/reviews`, and their predictions in `lake/preds` (a local run).
+fn local_baseline() -> (Scratch, serde_json::Value) {
+    let s = Scratch::new();
+    make_model_with(&s, "model", "rotten,fresh", 0);
+    s.write(INGEST, &ingest_yaml());
+    ingest(&s, ROWS);
+    s.write(
+        "local.yaml",
+        "name: local\ntables:\n  reviews: { delta: lake/reviews }\n  preds: { delta: lake/preds }\n\
+         stages:\n  - predict: { from: reviews, model: model, to: preds }\n",
+    );
+    run_json(&s, "local.yaml", &[]);
+    let local = crate::common::python(
+        "read_delta.py",
+        &[s.path().join("lake/preds").to_str().expect("utf-8")],
+    );
+    (s, local)
+}
+
+const S3_SECRET: &str = "lakeml-test-secret";
+
+fn s3_storage(endpoint: &str) -> String {
+    format!(
+        "storage:\n  s3: {{ endpoint: 'http://{endpoint}', allow_http: true, region: us-east-1, \
+         access_key_id: lakeml-test, secret_access_key: '${{S3_SECRET}}' }}\n"
+    )
+}
+
+#[test]
+fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
+    let moto = Server::start(
+        env_path("LAKEML_MOTO"),
+        &[
+            "-H".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            "{port}".into(),
+        ],
+    );
+    let (s, local) = local_baseline();
+    store_py("s3", &moto, &["mkdir", "lake"]);
+    let env = [("S3_SECRET", S3_SECRET)];
+    let storage = s3_storage(&moto.endpoint());
+
+    // write → tokenize → predict, every output on S3; the model is local.
+    s.write(
+        "s3.yaml",
+        &format!(
+            "name: s3\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
+             reviews: {{ delta: s3://lake/reviews }}\n  tok: {{ delta: s3://lake/tok }}\n  \
+             preds: {{ delta: 's3a://lake/preds' }}\n\
+             stages:\n  - write: {{ from: local_reviews, to: reviews }}\n  \
+             - tokenize: {{ from: reviews, tokenizer: {minilm}, to: tok }}\n  \
+             - predict: {{ from: reviews, model: model, to: preds }}\n",
+            minilm = minilm().display()
+        ),
+    );
+    let (reports, stderr) = run_json(&s, "s3.yaml", &env);
+    assert_eq!(reports.len(), 3);
+    assert!(reports.iter().all(|r| r["cached"] == false), "{reports:?}");
+    let remote = store_py("s3", &moto, &["read", "s3://lake/preds"]);
+    assert_same_predictions(&remote["rows"], &local["rows"], ROWS);
+    let tok = store_py("s3", &moto, &["read", "s3://lake/tok"]);
+    assert_eq!(tok["num_rows"], ROWS as u64);
+    // Nothing was written to a local directory named after the URL.
+    assert!(!s.path().join("s3:").exists() && !s.path().join("s3a:").exists());
+    // The secret is in no report, message or commit.
+    let everything = format!("{reports:?}{stderr}{remote}{tok}");
+    assert!(!everything.contains(S3_SECRET), "the secret leaked");
+
+    // A rerun finds every output up to date on S3.
+    let (again, _) = run_json(&s, "s3.yaml", &env);
+    assert!(again.iter().all(|r| r["cached"] == true), "{again:?}");
+
+    // File tables: a glob of Parquet objects, read with `pipeline sql`.
+    store_py(
+        "s3",
+        &moto,
+        &[
+            "upload",
+            s.path().join("lake/reviews").to_str().expect("utf-8"),
+            "lake/raw",
+            ".parquet",
+        ],
+    );
+    s.write(
+        "files.yaml",
+        &format!(
+            "name: files\n{storage}tables:\n  raw: {{ parquet: 's3://lake/raw/*.parquet' }}\n  \
+             dir: {{ parquet: 's3://lake/raw/' }}\n"
+        ),
+    );
+    let out = pipeline(
+        &s,
+        &[
+            "sql",
+            "files.yaml",
+            "SELECT (SELECT count(*) FROM raw) AS a, (SELECT count(*) FROM dir) AS b",
+        ],
+        &env,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(&format!("| {ROWS} | {ROWS} |")), "{stdout}");
+
+    // Two runs of one predict job at once: the table ends with one row per id.
+    s.write(
+        "race.yaml",
+        &format!(
+            "name: race\n{storage}tables:\n  reviews: {{ delta: s3://lake/reviews }}\n  \
+             preds: {{ delta: s3://lake/race }}\n\
+             stages:\n  - predict: {{ from: reviews, model: model, to: preds }}\n"
+        ),
+    );
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .args(["run", "--quiet", "race.yaml"])
+            .envs(env)
+            .current_dir(s.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn")
+    };
+    let (a, b) = (spawn(), spawn());
+    let (a, b) = (
+        a.wait_with_output().expect("a"),
+        b.wait_with_output().expect("b"),
+    );
+    assert!(
+        a.status.success() || b.status.success(),
+        "both racers failed:\n{}\n{}",
+        String::from_utf8_lossy(&a.stderr),
+        String::from_utf8_lossy(&b.stderr)
+    );
+    let raced = store_py("s3", &moto, &["read", "s3://lake/race"]);
+    assert_eq!(raced["num_rows"], ROWS as u64, "{}", raced["history"]);
+    assert_same_predictions(&raced["rows"], &local["rows"], ROWS);
+
+    // Bad input: exit 2, the table named, nothing written.
+    let bad = |name: &str, table: &str, storage: &str| {
+        s.write(
+            name,
+            &format!(
+                "name: bad\n{storage}tables:\n  reviews: {{ delta: lake/reviews }}\n  \
+                 out: {table}\nstages:\n  - write: {{ from: reviews, to: out }}\n"
+            ),
+        );
+        refused(&s, name, &env)
+    };
+    let e = bad(
+        "nobucket.yaml",
+        "{ delta: s3://no-such-bucket/out }",
+        &storage,
+    );
+    assert!(
+        e.contains("tables.out") && e.contains("no-such-bucket") && e.contains("does not exist"),
+        "{e}"
+    );
+    let closed = s3_storage(&format!("127.0.0.1:{}", free_port()));
+    let e = bad("refused.yaml", "{ delta: s3://lake/out }", &closed);
+    assert!(
+        e.contains("tables.out") && e.contains("cannot reach"),
+        "{e}"
+    );
+    let typo = storage.replace("secret_access_key", "secret_acess_key");
+    let e = bad("typo.yaml", "{ delta: s3://lake/out }", &typo);
+    assert!(
+        e.contains("secret_acess_key") && e.contains("did you mean `secret_access_key`"),
+        "{e}"
+    );
+    let e = bad(
+        "lock.yaml",
+        "{ delta: s3://lake/out, storage_options: { aws_s3_locking_provider: dynamodb } }",
+        &storage,
+    );
+    assert!(
+        e.contains("tables.out") && e.contains("conditional puts"),
+        "{e}"
+    );
+    let e = bad("scheme.yaml", "{ delta: 'hdfs://namenode/out' }", &storage);
+    assert!(
+        e.contains("tables.out") && e.contains("does not read `hdfs://`"),
+        "{e}"
+    );
+    assert!(!e.contains(S3_SECRET));
+    assert!(!s.path().join("hdfs:").exists() && !s.path().join("s3:").exists());
+    let listed = store_py("s3", &moto, &["read", "s3://lake/preds"]);
+    assert_eq!(
+        listed["version"], remote["version"],
+        "a refused run changed a table"
+    );
+}
+
+const AZ_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+#[test]
+fn azure_tables_and_a_model_read_from_a_container_match_local() {
+    let azurite = Server::start(
+        env_path("LAKEML_AZURITE"),
+        &[
+            "--blobHost".into(),
+            "127.0.0.1".into(),
+            "--blobPort".into(),
+            "{port}".into(),
+            "--inMemoryPersistence".into(),
+            "--disableTelemetry".into(),
+            "--skipApiVersionCheck".into(),
+        ],
+    );
+    let (s, local) = local_baseline();
+    store_py("azure", &azurite, &["mkdir", "lake"]);
+    store_py("azure", &azurite, &["mkdir", "models"]);
+    store_py(
+        "azure",
+        &azurite,
+        &[
+            "upload",
+            s.path().join("model").to_str().expect("utf-8"),
+            "models/cls",
+        ],
+    );
+    let storage = |key: &str| {
+        format!(
+            "storage:\n  azure: {{ account_name: devstoreaccount1, account_key: '{key}', \
+             endpoint: 'http://{}/devstoreaccount1', allow_http: true }}\n",
+            azurite.endpoint()
+        )
+    };
+    let yaml = |key: &str| {
+        format!(
+            "name: az\n{}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
+             reviews: {{ delta: 'abfss://lake@devstoreaccount1.dfs.core.windows.net/reviews' }}\n  \
+             preds: {{ delta: az://lake/preds }}\n\
+             stages:\n  - write: {{ from: local_reviews, to: reviews }}\n  \
+             - predict: {{ from: reviews, model: 'az://models/cls', to: preds }}\n",
+            storage(key)
+        )
+    };
+    s.write("az.yaml", &yaml(AZ_KEY));
+    let (reports, stderr) = run_json(&s, "az.yaml", &[]);
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    assert!(!stderr.contains(AZ_KEY) && !format!("{reports:?}").contains(AZ_KEY));
+    let remote = store_py("azure", &azurite, &["read", "az://lake/preds"]);
+    assert_same_predictions(&remote["rows"], &local["rows"], ROWS);
+
+    // The model was copied once into the cache; a rerun reuses the copy.
+    let manifests: Vec<PathBuf> = std::fs::read_dir(s.path().join("cache/models"))
+        .expect("model cache")
+        .flatten()
+        .map(|e| e.path().join(".lakeml-remote.json"))
+        .collect();
+    assert_eq!(manifests.len(), 1, "{manifests:?}");
+    let copied = std::fs::metadata(&manifests[0])
+        .and_then(|m| m.modified())
+        .expect("manifest");
+    let (again, _) = run_json(&s, "az.yaml", &[]);
+    assert!(again.iter().all(|r| r["cached"] == true), "{again:?}");
+    let reused = std::fs::metadata(&manifests[0])
+        .and_then(|m| m.modified())
+        .expect("manifest");
+    assert_eq!(copied, reused, "the cached model was downloaded again");
+
+    // A wrong account key is refused before any work, naming the table.
+    let wrong = AZ_KEY.replace("Eby8", "Xby8");
+    s.write("wrong.yaml", &yaml(&wrong));
+    let e = refused(&s, "wrong.yaml", &[]);
+    assert!(
+        e.contains("access denied") || e.contains("AuthorizationFailure"),
+        "{e}"
+    );
+    assert!(!e.contains(&wrong), "the key leaked: {e}");
+}
