@@ -134,6 +134,13 @@ impl TableDef {
             files
         };
         let extension = self.extension(&files);
+        // DataFusion lists a local directory or glob itself; in an object store it reads
+        // exactly the objects listed here (its URL parser takes no globs), which are also
+        // the ones the identity names.
+        let remote: Option<Vec<String>> = self
+            .location
+            .remote()
+            .map(|_| files.iter().map(|f| f.name.clone()).collect());
         match &self.kind {
             TableKind::Delta { at } => {
                 let table = self.open_delta(at.as_ref()).await?;
@@ -149,9 +156,11 @@ impl TableDef {
             }
             TableKind::Parquet => {
                 let opts = ParquetReadOptions::default().file_extension(&extension);
-                ctx.register_parquet(self.name.as_str(), &path, opts)
-                    .await
-                    .map_err(engine)?;
+                match remote {
+                    None => ctx.register_parquet(self.name.as_str(), &path, opts).await,
+                    Some(urls) => view(ctx, &self.name, ctx.read_parquet(urls, opts).await),
+                }
+                .map_err(engine)?;
                 Ok(file_identity(&files))
             }
             TableKind::Csv {
@@ -171,18 +180,22 @@ impl TableDef {
                     .newlines_in_values(*newlines_in_values)
                     .file_extension(&extension)
                     .file_compression_type(compression_type(*compression));
-                ctx.register_csv(self.name.as_str(), &path, opts)
-                    .await
-                    .map_err(engine)?;
+                match remote {
+                    None => ctx.register_csv(self.name.as_str(), &path, opts).await,
+                    Some(urls) => view(ctx, &self.name, ctx.read_csv(urls, opts).await),
+                }
+                .map_err(engine)?;
                 Ok(file_identity(&files))
             }
             TableKind::Json { compression } => {
                 let opts = JsonReadOptions::default()
                     .file_extension(&extension)
                     .file_compression_type(compression_type(*compression));
-                ctx.register_json(self.name.as_str(), &path, opts)
-                    .await
-                    .map_err(engine)?;
+                match remote {
+                    None => ctx.register_json(self.name.as_str(), &path, opts).await,
+                    Some(urls) => view(ctx, &self.name, ctx.read_json(urls, opts).await),
+                }
+                .map_err(engine)?;
                 Ok(file_identity(&files))
             }
         }
@@ -272,6 +285,17 @@ impl TableDef {
             }
         }
     }
+}
+
+/// Registers a query over a file table's objects under `name`.
+fn view(
+    ctx: &SessionContext,
+    name: &str,
+    df: datafusion::error::Result<datafusion::prelude::DataFrame>,
+) -> datafusion::error::Result<()> {
+    let view = df?.into_view();
+    ctx.deregister_table(name)?;
+    ctx.register_table(name, view).map(|_| ())
 }
 
 /// One file of a file table: its name (a path or a URL), size and version (a modification

@@ -55,7 +55,7 @@ pub(super) fn build_with(
     options: &HashMap<String, String>,
     retry: Option<object_store::RetryConfig>,
 ) -> Result<Arc<dyn ObjectStore>, object_store::Error> {
-    // Keys that are delta-rs's own (retries, limits) are not the builder's.
+    // Keys that are delta-rs's own (limits, runtime) are not the builder's.
     let keys = options.iter().map(|(k, v)| (k.to_ascii_lowercase(), v));
     Ok(match provider {
         Provider::S3 => {
@@ -108,7 +108,7 @@ impl ObjectStoreFactory for Factory {
     ) -> DeltaResult<(ObjectStoreRef, Path)> {
         let mut root = url.clone();
         root.set_path("");
-        let mut store = build_with(self.0, &root, &config.raw, Some(config.retry.clone()))
+        let mut store = build(self.0, &root, &config.raw)
             .map_err(|e| DeltaTableError::generic(e.to_string()))?;
         if let Some(runtime) = &config.runtime {
             store = Arc::new(deltalake::logstore::DeltaIOStorageBackend::new(

@@ -28,8 +28,6 @@ const PLAIN_KEYS: &[&str] = &[
     "container_name",
     "bucket",
     "skip_signature",
-    "max_retries",
-    "retry_timeout",
     "timeout",
     "connect_timeout",
 ];
@@ -75,7 +73,7 @@ impl StorageOptions {
             let delta_rs = deltalake::logstore::StorageConfig::parse_options([(key, value)])
                 .map_err(|e| format!("storage option `{key}`: {e}"))?;
             if delta_rs.unknown_properties.is_empty() {
-                continue; // retries, limits, certificates: delta-rs's own keys
+                continue; // limits, runtime, certificates: delta-rs's own keys
             }
             refuse_weaker_commits(provider, key, value)?;
             let known = match provider {

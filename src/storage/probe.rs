@@ -53,9 +53,9 @@ impl Remote {
     pub(crate) fn list_prefix(&self) -> Result<object_store::path::Path, String> {
         let key = self.key()?;
         let text = key.as_ref();
-        let cut = text.find(['*', '?', '[']).map_or(text.len(), |i| {
-            text[..i].rfind('/').map_or(0, |slash| slash)
-        });
+        let cut = text
+            .find(['*', '?', '['])
+            .map_or(text.len(), |i| text[..i].rfind('/').unwrap_or(0));
         Ok(object_store::path::Path::from(&text[..cut]))
     }
 }

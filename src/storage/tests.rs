@@ -70,7 +70,7 @@ fn option_keys_are_checked_per_provider_and_weaker_commits_refused() {
     assert!(
         parse(
             "s3://b/t",
-            &[("AWS_REGION", "eu-west-1"), ("max_retries", "3")]
+            &[("AWS_REGION", "eu-west-1"), ("timeout", "30s")]
         )
         .is_ok()
     );
