@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use futures::TryStreamExt;
 use object_store::{ObjectStore, RetryConfig};
 
 use super::{Provider, Remote, factory};
