@@ -252,7 +252,7 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
         "files.yaml",
         &format!(
             "name: files\n{storage}tables:\n  raw: {{ parquet: 's3://lake/raw/*.parquet' }}\n  \
-             dir: {{ parquet: 's3://lake/raw/' }}\n"
+             dir: {{ parquet: 's3://lake/raw/' }}\nserve: {{}}\n"
         ),
     );
     let out = pipeline(
