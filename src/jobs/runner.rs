@@ -64,8 +64,13 @@ impl JobRun {
             .tables
             .iter()
             .map(|t| {
-                let v =
-                    super::watch::latest_version(t.local_dir()).map_or(Value::Null, Value::from);
+                // Versions of object-store tables are not recorded yet (the watches that
+                // would read them are local only).
+                let v = t
+                    .location
+                    .local()
+                    .and_then(super::watch::latest_version)
+                    .map_or(Value::Null, Value::from);
                 (t.name.clone(), v)
             })
             .collect();
