@@ -15,10 +15,10 @@ use deltalake::logstore::{
     logstore_factories, object_store_factories,
 };
 use deltalake::{DeltaResult, DeltaTableError, Path};
-use object_store::ObjectStore;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::{ObjectStore, RetryConfig};
 use url::Url;
 
 use super::Provider;
@@ -49,53 +49,83 @@ pub(super) fn build(
     build_with(provider, url, options, None)
 }
 
+/// [`build`], with `retry` instead of object_store's default retries.
 pub(super) fn build_with(
     provider: Provider,
     url: &Url,
     options: &HashMap<String, String>,
-    retry: Option<object_store::RetryConfig>,
+    retry: Option<RetryConfig>,
 ) -> Result<Arc<dyn ObjectStore>, object_store::Error> {
-    // Keys that are delta-rs's own (limits, runtime) are not the builder's.
-    let keys = options.iter().map(|(k, v)| (k.to_ascii_lowercase(), v));
-    Ok(match provider {
-        Provider::S3 => {
-            let mut b = AmazonS3Builder::from_env().with_url(url.as_str());
-            for (k, v) in keys {
-                if let Ok(key) = AmazonS3ConfigKey::from_str(&k) {
-                    b = b.with_config(key, v);
-                }
-            }
-            if let Some(retry) = retry {
-                b = b.with_retry(retry);
-            }
-            Arc::new(b.build()?)
-        }
-        Provider::Azure => {
-            let mut b = MicrosoftAzureBuilder::from_env().with_url(url.as_str());
-            for (k, v) in keys {
-                if let Ok(key) = AzureConfigKey::from_str(&k) {
-                    b = b.with_config(key, v);
-                }
-            }
-            if let Some(retry) = retry {
-                b = b.with_retry(retry);
-            }
-            Arc::new(b.build()?)
-        }
-        Provider::Gcs => {
-            let mut b = GoogleCloudStorageBuilder::from_env().with_url(url.as_str());
-            for (k, v) in keys {
-                if let Ok(key) = GoogleConfigKey::from_str(&k) {
-                    b = b.with_config(key, v);
-                }
-            }
-            if let Some(retry) = retry {
-                b = b.with_retry(retry);
-            }
-            Arc::new(b.build()?)
-        }
-    })
+    match provider {
+        Provider::S3 => configure::<AmazonS3Builder>(url, options, retry),
+        Provider::Azure => configure::<MicrosoftAzureBuilder>(url, options, retry),
+        Provider::Gcs => configure::<GoogleCloudStorageBuilder>(url, options, retry),
+    }
 }
+
+/// True when `provider`'s builder reads the (lower-case) option `key`.
+pub(super) fn knows_key(provider: Provider, key: &str) -> bool {
+    match provider {
+        Provider::S3 => key.parse::<AmazonS3ConfigKey>().is_ok(),
+        Provider::Azure => key.parse::<AzureConfigKey>().is_ok(),
+        Provider::Gcs => key.parse::<GoogleConfigKey>().is_ok(),
+    }
+}
+
+fn configure<B: StoreBuilder>(
+    url: &Url,
+    options: &HashMap<String, String>,
+    retry: Option<RetryConfig>,
+) -> Result<Arc<dyn ObjectStore>, object_store::Error> {
+    let mut builder = B::from_env().with_url(url.as_str());
+    for (key, value) in options {
+        // Keys that are delta-rs's own (limits, runtime) are not the builder's.
+        if let Ok(key) = key.to_ascii_lowercase().parse::<B::Key>() {
+            builder = builder.with_config(key, value);
+        }
+    }
+    if let Some(retry) = retry {
+        builder = builder.with_retry(retry);
+    }
+    builder.build()
+}
+
+/// The part of object_store's three store builders lakeml uses; they share no trait.
+trait StoreBuilder: Sized {
+    type Key: FromStr;
+    fn from_env() -> Self;
+    fn with_url(self, url: &str) -> Self;
+    fn with_config(self, key: Self::Key, value: &str) -> Self;
+    fn with_retry(self, retry: RetryConfig) -> Self;
+    fn build(self) -> Result<Arc<dyn ObjectStore>, object_store::Error>;
+}
+
+macro_rules! store_builder {
+    ($builder:ty, $key:ty) => {
+        impl StoreBuilder for $builder {
+            type Key = $key;
+            fn from_env() -> Self {
+                <$builder>::from_env()
+            }
+            fn with_url(self, url: &str) -> Self {
+                <$builder>::with_url(self, url)
+            }
+            fn with_config(self, key: $key, value: &str) -> Self {
+                <$builder>::with_config(self, key, value)
+            }
+            fn with_retry(self, retry: RetryConfig) -> Self {
+                <$builder>::with_retry(self, retry)
+            }
+            fn build(self) -> Result<Arc<dyn ObjectStore>, object_store::Error> {
+                Ok(Arc::new(<$builder>::build(self)?))
+            }
+        }
+    };
+}
+
+store_builder!(AmazonS3Builder, AmazonS3ConfigKey);
+store_builder!(MicrosoftAzureBuilder, AzureConfigKey);
+store_builder!(GoogleCloudStorageBuilder, GoogleConfigKey);
 
 /// delta-rs asks this for a table's store and log store.
 struct Factory(Provider);

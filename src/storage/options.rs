@@ -1,15 +1,9 @@
 //! Storage options: the file's `storage:` defaults and a location's `storage_options:`, in
 //! delta-rs's own key names, checked before any request and never printed.
 
+use super::{Provider, factory};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::str::FromStr;
-
-use object_store::aws::AmazonS3ConfigKey;
-use object_store::azure::AzureConfigKey;
-use object_store::gcp::GoogleConfigKey;
-
-use super::Provider;
 
 /// Options for one location. Keys are lower-cased (delta-rs and object_store read them so);
 /// `Debug` shows a value only for keys known to hold no secret.
@@ -76,12 +70,7 @@ impl StorageOptions {
                 continue; // limits, runtime, certificates: delta-rs's own keys
             }
             refuse_weaker_commits(provider, key, value)?;
-            let known = match provider {
-                Provider::S3 => AmazonS3ConfigKey::from_str(key).is_ok(),
-                Provider::Azure => AzureConfigKey::from_str(key).is_ok(),
-                Provider::Gcs => GoogleConfigKey::from_str(key).is_ok(),
-            };
-            if !known {
+            if !factory::knows_key(provider, key) {
                 let hint = match crate::config::closest(key, common_keys(provider)) {
                     Some(k) => format!("did you mean `{k}`?"),
                     None => format!(
