@@ -66,9 +66,9 @@ impl TableDef {
             .map_err(|m| Error::Data(format!("table `{}`: {m}", self.name)))
     }
 
-    /// The local path of a table the scheduler uses (its run history, a watched table).
-    /// The plan refuses object-store tables there, so this is never the empty path it
-    /// gives for one.
+    /// The local path of the run history or of a `table_updated:` table. The plan refuses
+    /// object-store tables in those two places (`plan::jobs`), so this never gives the
+    /// empty path it would for one; anything else asks `location.local()`.
     pub(crate) fn local_dir(&self) -> &Path {
         self.location.local().unwrap_or(Path::new(""))
     }
@@ -113,26 +113,22 @@ impl TableDef {
     pub(crate) async fn register(&self, ctx: &SessionContext) -> Result<String> {
         let path = self.location.to_string();
         let engine = |e| Error::engine(format!("table `{}` ({path})", self.name), e);
-        if let Location::Remote(r) = &self.location
-            && !self.is_delta()
-        {
-            let store = r
-                .store()
-                .map_err(|m| Error::Data(format!("table `{}`: {m}", self.name)))?;
-            ctx.register_object_store(&r.store_url(), store);
-        }
-        let files = if self.is_delta() {
-            Vec::new()
-        } else {
-            let files = self.files().await?;
-            if files.is_empty() {
-                return Err(Error::Data(format!(
-                    "table `{}`: no file at `{path}`; check the path",
-                    self.name
-                )));
+        let fail = |m: String| Error::Data(format!("table `{}`: {m}", self.name));
+        // A remote file table's store is built once: registered for DataFusion's scans, and
+        // used here to list the objects and read a CSV's first one.
+        let (files, store) = match &self.location {
+            _ if self.is_delta() => (Vec::new(), None),
+            Location::Local(path) => (local_files(path)?, None),
+            Location::Remote(r) => {
+                let store = r.store().map_err(fail)?;
+                ctx.register_object_store(&r.store_url(), store.clone());
+                let files = remote_files(r, store.as_ref()).await.map_err(fail)?;
+                (files, Some(store))
             }
-            files
         };
+        if !self.is_delta() && files.is_empty() {
+            return Err(fail(format!("no file at `{path}`; check the path")));
+        }
         let extension = self.extension(&files);
         // DataFusion lists a local directory or glob itself; in an object store it reads
         // exactly the objects listed here (its URL parser takes no globs), which are also
@@ -169,7 +165,7 @@ impl TableDef {
                 newlines_in_values,
                 compression,
             } => {
-                let first = self.read_start(&files[0]).await?;
+                let first = self.read_start(&files[0], store.as_deref()).await?;
                 let schema =
                     infer_csv_schema(&files[0].name, first, *has_header, *delimiter, *compression)
                         .map_err(|m| Error::Data(format!("table `{}` ({path}): {m}", self.name)))?;
@@ -222,33 +218,6 @@ impl TableDef {
         })
     }
 
-    /// The files a file table reads now, sorted by name.
-    pub(crate) async fn files(&self) -> Result<Vec<FileEntry>> {
-        match &self.location {
-            Location::Local(path) => files_of(path)?
-                .into_iter()
-                .map(|p| {
-                    let meta = std::fs::metadata(&p)
-                        .map_err(|e| Error::io(format!("reading {}", p.display()), e))?;
-                    let mtime = meta
-                        .modified()
-                        .ok()
-                        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                        .map_or(0, |d| d.as_nanos());
-                    Ok(FileEntry {
-                        name: p.to_string_lossy().into_owned(),
-                        size: meta.len(),
-                        version: mtime.to_string(),
-                        object: None,
-                    })
-                })
-                .collect(),
-            Location::Remote(r) => remote_files(r)
-                .await
-                .map_err(|m| Error::Data(format!("table `{}`: {m}", self.name))),
-        }
-    }
-
     /// The listing extension DataFusion filters on: the file's own suffix for a single file
     /// (so `x.csv.bz2` or `x.txt` are read), the kind's usual one for directories and globs.
     fn extension(&self, files: &[FileEntry]) -> String {
@@ -267,11 +236,14 @@ impl TableDef {
     }
 
     /// The start of a file (all of it, up to [`CSV_INFER_BYTES`]), for schema inference.
-    async fn read_start(&self, file: &FileEntry) -> Result<Box<dyn Read + Send>> {
+    async fn read_start(
+        &self,
+        file: &FileEntry,
+        store: Option<&dyn ObjectStore>,
+    ) -> Result<Box<dyn Read + Send>> {
         let fail = |m: String| Error::Data(format!("table `{}`: {}: {m}", self.name, file.name));
-        match (&self.location, &file.object) {
-            (Location::Remote(r), Some(meta)) => {
-                let store = r.store().map_err(fail)?;
+        match (&self.location, store, &file.object) {
+            (Location::Remote(r), Some(store), Some(meta)) => {
                 let end = meta.size.min(CSV_INFER_BYTES);
                 let bytes = store
                     .get_range(&meta.location, 0..end)
@@ -315,10 +287,31 @@ impl FileEntry {
     }
 }
 
-/// The objects a remote file table reads: the object itself, every visible object under a
-/// prefix, or the matches of a glob.
-async fn remote_files(r: &Remote) -> Result<Vec<FileEntry>, String> {
-    let store = r.store()?;
+/// The files of a local file table, sorted: names, sizes and modification times.
+fn local_files(path: &Path) -> Result<Vec<FileEntry>> {
+    files_of(path)?
+        .into_iter()
+        .map(|p| {
+            let meta = std::fs::metadata(&p)
+                .map_err(|e| Error::io(format!("reading {}", p.display()), e))?;
+            let mtime = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            Ok(FileEntry {
+                name: p.to_string_lossy().into_owned(),
+                size: meta.len(),
+                version: mtime.to_string(),
+                object: None,
+            })
+        })
+        .collect()
+}
+
+/// The objects a remote file table reads, sorted: the object itself, every visible object
+/// under a prefix, or the matches of a glob.
+async fn remote_files(r: &Remote, store: &dyn ObjectStore) -> Result<Vec<FileEntry>, String> {
     let key = r.key()?;
     let explain = |e: object_store::Error| crate::storage::explain(r, &e);
     let text = key.as_ref().to_string();
