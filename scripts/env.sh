@@ -70,27 +70,27 @@ ensure_venv() {
 # and only the tests need it (they start `$LAKEML_MLFLOW server` themselves).
 ensure_mlflow() {
   local venv="$LAKEML_CACHE/venv-mlflow-$MLFLOW_VERSION"
-  mkdir -p "$LAKEML_CACHE"
-  if [[ ! -f "$venv/.mlflow-ok" ]]; then
-    log "installing mlflow==$MLFLOW_VERSION into $venv (one time, ~850 MB)"
-    python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "mlflow==$MLFLOW_VERSION"
-    touch "$venv/.mlflow-ok"
-  fi
+  tool_venv "$venv" "mlflow==$MLFLOW_VERSION" .mlflow-ok "one time, ~850 MB"
   export LAKEML_MLFLOW="$venv/bin/mlflow"
+}
+
+# A venv of its own for one tool from PyPI (pip SPEC), made once and marked with MARKER.
+tool_venv() {
+  local venv="$1" spec="$2" marker="$3" what="$4"
+  mkdir -p "$LAKEML_CACHE"
+  if [[ ! -f "$venv/$marker" ]]; then
+    log "installing $spec ($what) into $venv"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "$spec"
+    touch "$venv/$marker"
+  fi
 }
 
 # moto's S3 server (own venv: it pins boto and werkzeug versions of its own) and Azurite's
 # blob server (npm), for the object-storage tests; they start them on 127.0.0.1 themselves.
 ensure_object_stores() {
   local venv="$LAKEML_CACHE/venv-moto-$MOTO_VERSION" azurite="$LAKEML_CACHE/azurite-$AZURITE_VERSION"
-  mkdir -p "$LAKEML_CACHE"
-  if [[ ! -f "$venv/.moto-ok" ]]; then
-    log "installing moto[server]==$MOTO_VERSION (S3 API server for tests) into $venv"
-    python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "moto[server]==$MOTO_VERSION"
-    touch "$venv/.moto-ok"
-  fi
+  tool_venv "$venv" "moto[server]==$MOTO_VERSION" .moto-ok "S3 API server for tests"
   if [[ ! -f "$azurite/.azurite-ok" ]]; then
     if ! command -v npm >/dev/null 2>&1; then
       log "npm is missing (Azurite, the Azure Blob test server, comes from npm): apt-get install nodejs npm"
