@@ -26,7 +26,8 @@ struct Server {
 }
 
 impl Server {
-    fn start(program: PathBuf, args: &[String]) -> Self {
+    /// Starts `program ARGS` with `{port}` in ARGS replaced by a free port.
+    fn start(program: PathBuf, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = free_port();
         let args: Vec<String> = args
@@ -195,12 +196,7 @@ fn s3_storage(endpoint: &str) -> String {
 fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
     let moto = Server::start(
         env_path("LAKEML_MOTO"),
-        &[
-            "-H".into(),
-            "127.0.0.1".into(),
-            "-p".into(),
-            "{port}".into(),
-        ],
+        &["-H", "127.0.0.1", "-p", "{port}"],
     );
     let (s, local) = local_baseline();
     store_py("s3", &moto, &["mkdir", "lake"]);
@@ -369,13 +365,13 @@ fn azure_tables_and_a_model_read_from_a_container_match_local() {
     let azurite = Server::start(
         env_path("LAKEML_AZURITE"),
         &[
-            "--blobHost".into(),
-            "127.0.0.1".into(),
-            "--blobPort".into(),
-            "{port}".into(),
-            "--inMemoryPersistence".into(),
-            "--disableTelemetry".into(),
-            "--skipApiVersionCheck".into(),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            "{port}",
+            "--inMemoryPersistence",
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
         ],
     );
     let (s, local) = local_baseline();
