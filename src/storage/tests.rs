@@ -130,12 +130,7 @@ fn a_bad_gcs_service_account_fails_when_the_store_is_built_without_a_request() {
         &[("google_service_account", "/nonexistent/sa.json")],
     )
     .expect("parse");
-    let e = loc
-        .remote()
-        .expect("remote")
-        .store()
-        .err()
-        .expect("no file");
+    let e = loc.remote().expect("remote").store().expect_err("no file");
     assert!(e.contains("gs://b/t"), "{e}");
 }
 

@@ -302,6 +302,106 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
     assert_eq!(raced["num_rows"], ROWS as u64, "{}", raced["history"]);
     assert_same_predictions(&raced["rows"], &local["rows"], ROWS);
 
+    // kill -9 during predict runs on S3: the table stays at its last committed version, and
+    // a rerun completes the job in one commit.
+    s.write(
+        "kreviews.yaml",
+        &format!(
+            "name: kr\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
+             reviews: {{ delta: s3://lake/kreviews }}\n\
+             stages:\n  - write: {{ sql: 'SELECT * FROM local_reviews WHERE id <= ${{N}}', \
+             to: reviews, mode: overwrite }}\n"
+        ),
+    );
+    s.write(
+        "killed.yaml",
+        &format!(
+            "name: killed\n{storage}tables:\n  reviews: {{ delta: s3://lake/kreviews }}\n  \
+             preds: {{ delta: s3://lake/killed }}\n\
+             stages:\n  - predict: {{ from: reviews, model: model, to: preds }}\n"
+        ),
+    );
+    run_json(
+        &s,
+        "kreviews.yaml",
+        &[("S3_SECRET", S3_SECRET), ("N", "10")],
+    );
+    run_json(&s, "killed.yaml", &env);
+    run_json(
+        &s,
+        "kreviews.yaml",
+        &[("S3_SECRET", S3_SECRET), ("N", "40")],
+    );
+    for delay_ms in [200, 700, 1500, 3000] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .args(["run", "--quiet", "killed.yaml"])
+            .envs(env)
+            .current_dir(s.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let finished = child.try_wait().expect("try_wait").is_some();
+        if !finished {
+            child.kill().expect("kill -9");
+        }
+        child.wait().expect("wait");
+        let table = store_py("s3", &moto, &["read", "s3://lake/killed"]);
+        if finished || table["version"] == 1 {
+            break; // the run committed before the kill: nothing left to interrupt
+        }
+        assert_eq!(table["version"], 0, "a killed run changed the table");
+        assert_eq!(table["num_rows"], 10);
+    }
+    run_json(&s, "killed.yaml", &env);
+    let table = store_py("s3", &moto, &["read", "s3://lake/killed"]);
+    assert_eq!(
+        (table["version"].as_u64(), table["num_rows"].as_u64()),
+        (Some(1), Some(ROWS as u64))
+    );
+    assert_same_predictions(&table["rows"], &local["rows"], ROWS);
+
+    // `pipeline serve` over the S3 tables, through ADBC's Flight SQL driver: a write while it
+    // runs shows in the next query, without a restart.
+    s.write(
+        "serve.yaml",
+        &format!(
+            "name: served\n{}tables:\n  reviews: {{ delta: s3://lake/reviews }}\n  \
+             preds: {{ delta: s3://lake/preds }}\n\
+             serve:\n  listen: 127.0.0.1:0\n  auth: {{ tokens: ['${{LAKEML_TOKEN}}'] }}\n",
+            storage.replace("${S3_SECRET}", S3_SECRET)
+        ),
+    );
+    let served = crate::serving::Server::start(&s, "serve.yaml");
+    let count = |table: &str| {
+        let sql = format!("SELECT count(*) FROM {table}");
+        let out = crate::common::python(
+            "flight_query.py",
+            &[&served.uri, "--token", crate::serving::TOKEN, &sql],
+        );
+        out["results"][0]["rows"][0][0]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{sql}: {out}"))
+    };
+    assert_eq!(
+        (count("reviews"), count("preds")),
+        (ROWS as u64, ROWS as u64)
+    );
+    s.write(
+        "shrink.yaml",
+        &format!(
+            "name: shrink\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
+             reviews: {{ delta: s3://lake/reviews }}\n\
+             stages:\n  - write: {{ sql: 'SELECT * FROM local_reviews WHERE id <= 10', \
+             to: reviews, mode: overwrite }}\n"
+        ),
+    );
+    run_json(&s, "shrink.yaml", &env);
+    assert_eq!(count("reviews"), 10, "the new S3 commit is not seen");
+    assert!(!served.stderr().contains(S3_SECRET));
+    served.stop();
+
     // Bad input: exit 2, the table named, nothing written.
     let bad = |name: &str, table: &str, storage: &str| {
         s.write(
