@@ -17,6 +17,10 @@
 #                                      plus the scaling model's inputs (benches/bench_spark.py;
 #                                      --precision, --repeats N, --rows N, --threads N, --partitions N,
 #                                      --side all|stage|lakeml|hf|model, --out FILE); needs Java 17
+#   scripts/bench.sh storage [args]    a >= 1 GB Delta table on S3 (moto_server, 127.0.0.1) vs the
+#                                      same on local disk: full scan and the predict stage over the
+#                                      same rows, requests per phase (benches/bench_storage.py;
+#                                      --copies N, --predict-rows N, --repeats N, --out FILE)
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 ensure_venv
 ensure_assets
@@ -35,8 +39,11 @@ print(exes[-1])')"
   train) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_train.py" --bin "$LAKEML_BIN" "$@" ;;
   predict) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_predict.py" --bin "$LAKEML_BIN" "$@" ;;
   serve) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_serve.py" --bin "$LAKEML_BIN" "$@" ;;
+  storage)
+    ensure_object_stores
+    exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_storage.py" --bin "$LAKEML_BIN" "$@" ;;
   spark)
     ensure_java
     exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_spark.py" --bin "$LAKEML_BIN" "$@" ;;
-  *) echo "unknown benchmark '$what' (known: tokenize, train, predict, serve, spark)" >&2; exit 2 ;;
+  *) echo "unknown benchmark '$what' (known: tokenize, train, predict, serve, spark, storage)" >&2; exit 2 ;;
 esac
