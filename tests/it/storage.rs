@@ -402,6 +402,16 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
     assert!(!served.stderr().contains(S3_SECRET));
     served.stop();
 
+    // lakeml_spark on S3, no JVM jars: executors write Parquet to S3, the driver commits
+    // once; a rerun of the job version commits nothing; Spark and delta-rs read it back.
+    let spark = spark_object_store(&moto, "s3://lake/spark", 200);
+    assert_eq!(spark["first"]["committed"], true, "{spark}");
+    assert_eq!(spark["rerun"]["committed"], false, "{spark}");
+    let ids: Vec<u64> = (1..=200).collect();
+    assert_eq!(spark["spark_ids"], serde_json::json!(ids));
+    assert_eq!(spark["delta"]["ids"], serde_json::json!(ids));
+    assert_eq!(spark["delta"]["version"], 0, "one commit: {spark}");
+
     // Bad input: exit 2, the table named, nothing written.
     let bad = |name: &str, table: &str, storage: &str| {
         s.write(
@@ -455,6 +465,29 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
         listed["version"], remote["version"],
         "a refused run changed a table"
     );
+}
+
+/// tests/py/spark_object_store.py: lakeml_spark (from the checkout) writing `rows` rows to
+/// the S3 Delta table `url` and reading them back.
+fn spark_object_store(server: &Server, url: &str, rows: usize) -> serde_json::Value {
+    let out = Command::new(env_path("LAKEML_PYTHON"))
+        .arg(repo().join("tests/py/spark_object_store.py"))
+        .args([&server.endpoint(), url, &rows.to_string()])
+        .env("PYTHONPATH", repo().join("python/src"))
+        .output()
+        .expect("run spark_object_store.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "spark_object_store.py failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("no JSON ({e}): {stdout}"))
 }
 
 const AZ_KEY: &str =

@@ -9,7 +9,8 @@ Two ways in, by option:
   so every partition reads one snapshot. An endpoint without locations is fetched from
   `endpoint` itself.
 - `path` (or `.load(path)`, + optional `version`, `rows_per_partition`): a Delta table (one
-  lakeml wrote, or write_delta()). Planning reads the table's Delta log at `version` (default:
+  lakeml wrote, or write_delta()), on local disk or in an object store; options
+  `storage.<key>` are its delta-rs storage options (`storage.aws_endpoint_url`, ...). Planning reads the table's Delta log at `version` (default:
   the latest) with the `deltalake` package and takes exactly its ACTIVE files: files an
   overwrite or a delete removed, and files a failed job left behind uncommitted, are never
   read, whatever lies in the directory. Files are packed into partitions of about 128 MiB
@@ -23,13 +24,12 @@ executors: `pip install ./python` there, or ship it with `spark.sparkContext.add
 """
 from __future__ import annotations
 
-import os
 import urllib.parse
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from . import _flight
+from . import _flight, _storage
 
 DEFAULT_PARTITION_BYTES = 128 << 20
 UNSUPPORTED_READER_FEATURES = {"deletionVectors", "columnMapping"}
@@ -171,7 +171,8 @@ class _DeltaPlan:
 
         self.path = options["path"]
         version = options.get("version")
-        self.table = deltalake.DeltaTable(self.path, version=int(version) if version else None)
+        self.table = deltalake.DeltaTable(self.path, version=int(version) if version else None,
+                                          storage_options=storage_options(options) or None)
         protocol = self.table.protocol()
         features = set(protocol.reader_features or [])
         if protocol.min_reader_version == 2 or features & UNSUPPORTED_READER_FEATURES:
@@ -199,6 +200,11 @@ class _DeltaPlan:
         return out
 
 
+def storage_options(options: dict) -> dict:
+    """The `storage.<key>` options, as delta-rs storage options."""
+    return {k[len("storage."):]: v for k, v in options.items() if k.lower().startswith("storage.")}
+
+
 class DeltaFilesReader(DataSourceReader):
     def __init__(self, options: dict, schema):
         self.options, self.schema = options, schema
@@ -213,7 +219,7 @@ class DeltaFilesReader(DataSourceReader):
             if rows_per and rows is None:  # no statistics in the log: the Parquet footer
                 import pyarrow.parquet as pq
 
-                source, fs = _open(uri)
+                source, fs = _storage.filesystem(uri, storage_options(self.options))
                 rows = pq.ParquetFile(source, filesystem=fs).metadata.num_rows
             if rows_per and rows and rows > rows_per:
                 for start in range(0, rows, rows_per):
@@ -237,8 +243,9 @@ class DeltaFilesReader(DataSourceReader):
         import pyarrow.parquet as pq
 
         target = _spark_arrow_schema(self.schema)
+        options = storage_options(self.options)
         for uri, start, end, values in partition.files:
-            source, fs = _open(uri)
+            source, fs = _storage.filesystem(uri, options)
             f = pq.ParquetFile(source, filesystem=fs)
             meta = f.metadata
             end = meta.num_rows if end is None else end
@@ -263,34 +270,24 @@ class DeltaFilesReader(DataSourceReader):
                     break
 
 
-def _open(uri: str):
-    """(path, filesystem) for pyarrow: local paths as they are, other URIs through
-    pyarrow.fs (credentials from the environment)."""
-    if "://" not in uri:
-        return uri, None
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme == "file":
-        return urllib.parse.unquote(parsed.path), None
-    import pyarrow.fs
-
-    fs, path = pyarrow.fs.FileSystem.from_uri(uri)
-    return path, fs
-
-
 def register(spark) -> None:
     """Makes `spark.read.format("lakeml")` available in this session."""
     spark.dataSource.register(LakemlDataSource)
 
 
-def read_delta(spark, path: str, version: int | None = None, rows_per_partition: int | None = None):
-    """A Delta table's active files at `version` (default latest) as a DataFrame."""
+def read_delta(spark, path: str, version: int | None = None, rows_per_partition: int | None = None,
+               storage_options: dict | None = None):
+    """A Delta table's active files at `version` (default latest) as a DataFrame; `path` may
+    be an object-store URL, with delta-rs's `storage_options` for it."""
     register(spark)
     reader = spark.read.format("lakeml")
+    for key, value in (storage_options or {}).items():
+        reader = reader.option(f"storage.{key}", str(value))
     if version is not None:
         reader = reader.option("version", str(version))
     if rows_per_partition:
         reader = reader.option("rows_per_partition", str(rows_per_partition))
-    return reader.load(os.path.abspath(path) if "://" not in path else path)
+    return reader.load(_storage.table_uri(path))
 
 
 def read_query(spark, query: str, endpoint: str, token: str | None = None,

@@ -24,29 +24,20 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.parse
 import uuid
 
 import pyarrow as pa
 
+from . import _storage
+
 DEFAULT_MAX_ROWS_PER_FILE = 1_000_000
 
 
-def _local(path: str) -> str:
-    if "://" not in path:
-        return os.path.abspath(os.path.expanduser(path))
-    parsed = urllib.parse.urlparse(path)
-    if parsed.scheme != "file":
-        raise ValueError(f"write_delta(): {path}: only local (or shared, mounted) file systems "
-                         "are supported: executors write the Parquet files with plain file I/O")
-    return urllib.parse.unquote(parsed.path)
-
-
-def _open_table(path: str):
+def _open_table(path: str, storage_options: dict | None):
     import deltalake
 
     try:
-        return deltalake.DeltaTable(path)
+        return deltalake.DeltaTable(path, storage_options=storage_options)
     except deltalake.exceptions.TableNotFoundError:
         return None
 
@@ -77,10 +68,12 @@ def _stats(table: pa.Table) -> str:
 
 
 class _FileWriter:
-    """The executor side: one partition's rows into Parquet files in the table directory."""
+    """The executor side: one partition's rows into Parquet files in the table directory,
+    on local disk or, through pyarrow's file systems, in an object store."""
 
-    def __init__(self, root: str, schema: pa.Schema, max_rows: int):
+    def __init__(self, root: str, schema: pa.Schema, max_rows: int, storage_options: dict | None):
         self.root, self.schema, self.max_rows = root, schema, max_rows
+        self.storage_options = storage_options
 
     def __call__(self, batches):
         import pyarrow.parquet as pq
@@ -88,6 +81,7 @@ class _FileWriter:
 
         ctx = TaskContext.get()
         partition = ctx.partitionId() if ctx else 0
+        base, fs = _storage.filesystem(self.root, self.storage_options)
         pending: list[pa.RecordBatch] = []
         rows = 0
         written = []
@@ -97,11 +91,15 @@ class _FileWriter:
                 return
             table = pa.Table.from_batches(pending, schema=self.schema)
             name = f"part-{partition:05d}-{uuid.uuid4()}-c000.snappy.parquet"
-            full = os.path.join(self.root, name)
-            pq.write_table(table, full, compression="snappy")
-            st = os.stat(full)
-            written.append((name, st.st_size, int(st.st_mtime * 1000), table.num_rows,
-                            _stats(table)))
+            full = f"{base.rstrip('/')}/{name}"
+            pq.write_table(table, full, compression="snappy", filesystem=fs)
+            if fs is None:
+                st = os.stat(full)
+                size, mtime = st.st_size, int(st.st_mtime * 1000)
+            else:
+                info = fs.get_file_info(full)
+                size, mtime = info.size, int(time.time() * 1000)
+            written.append((name, size, mtime, table.num_rows, _stats(table)))
             pending.clear()
 
         for batch in batches:
@@ -135,7 +133,8 @@ def _cast(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
 
 def write_delta(df, path: str, mode: str = "append", app_id: str | None = None,
                 version: int | None = None, *, max_rows_per_file: int = DEFAULT_MAX_ROWS_PER_FILE,
-                metadata: dict | None = None, before_commit=None) -> dict:
+                metadata: dict | None = None, before_commit=None,
+                storage_options: dict | None = None) -> dict:
     """Writes `df` to the Delta table at `path` in one commit; returns what happened:
     {"committed": bool, "version": table version after, "rows": n, "files": n, "reason": ...}.
 
@@ -144,7 +143,10 @@ def write_delta(df, path: str, mode: str = "append", app_id: str | None = None,
     transaction; a table whose txn for app_id is already >= version is left as it is (the
     rerun of a job that committed). metadata: extra commitInfo entries. before_commit: a
     callable run on the driver after the files are written, just before the commit (a hook
-    for tests and progress reporting).
+    for tests and progress reporting). path may be an object-store URL (s3://, az://,
+    abfss://, gs://); storage_options are delta-rs's keys for it (see `_storage`): delta-rs
+    commits with them (a conditional put on S3 and Azure), and the executors write the
+    Parquet files through pyarrow's file system built from them.
     """
     import deltalake
     from deltalake import CommitProperties, Transaction
@@ -159,7 +161,7 @@ def write_delta(df, path: str, mode: str = "append", app_id: str | None = None,
         raise ValueError(f"write_delta(): version must be a non-negative int, not {version!r}")
     if max_rows_per_file < 1:
         raise ValueError("write_delta(): max_rows_per_file must be at least 1")
-    root = _local(path)
+    root = _storage.table_uri(path)
 
     def covered(table) -> int | None:
         if table is None or app_id is None:
@@ -167,7 +169,7 @@ def write_delta(df, path: str, mode: str = "append", app_id: str | None = None,
         done = table.transaction_version(app_id)
         return done if done is not None and done >= version else None
 
-    table = _open_table(root)
+    table = _open_table(root, storage_options)
     done = covered(table)
     if done is not None:
         return {"committed": False, "version": table.version(), "rows": 0, "files": 0,
@@ -188,11 +190,12 @@ def write_delta(df, path: str, mode: str = "append", app_id: str | None = None,
                 f"{[d[0] for d in diff]}); use mode='overwrite' to replace the schema")
         # ...and the table's own Arrow schema (nullability, field names) for the files.
         arrow = have
-    os.makedirs(root, exist_ok=True)
+    if not _storage.is_remote(root):
+        os.makedirs(root, exist_ok=True)
 
     started = time.monotonic()
     out_schema = "path string, size long, modification_time long, rows long, stats string"
-    files = df.mapInArrow(_FileWriter(root, arrow, max_rows_per_file).__call__,
+    files = df.mapInArrow(_FileWriter(root, arrow, max_rows_per_file, storage_options).__call__,
                           out_schema).collect()
     write_s = time.monotonic() - started
     if before_commit is not None:
@@ -206,7 +209,7 @@ def write_delta(df, path: str, mode: str = "append", app_id: str | None = None,
                                           "rows": rows, "files": len(adds)}, **(metadata or {})},
         app_transactions=[Transaction(app_id, version)] if app_id is not None else None,
     )
-    table = _open_table(root)
+    table = _open_table(root, storage_options)
     done = covered(table)
     if done is not None:
         return {"committed": False, "version": table.version(), "rows": 0, "files": 0,
@@ -214,9 +217,10 @@ def write_delta(df, path: str, mode: str = "append", app_id: str | None = None,
                           f"writing; its {len(adds)} files are left unreferenced"}
     if table is None:
         create_table_with_add_actions(root, deltalake.Schema.from_arrow(arrow), adds,
-                                      mode="error", commit_properties=properties)
+                                      mode="error", commit_properties=properties,
+                                      storage_options=storage_options)
     else:
         table.create_write_transaction(adds, mode, arrow, commit_properties=properties)
-    after = deltalake.DeltaTable(root)
+    after = deltalake.DeltaTable(root, storage_options=storage_options)
     return {"committed": True, "version": after.version(), "rows": rows, "files": len(adds),
             "write_s": write_s}
