@@ -13,7 +13,10 @@ What is measured, in one run, on the same rows, one side after the other:
 2. Predict: the predict stage (fp32, the same model and settings) over the same
    `--predict-rows` rows of `big`, read from and written to local disk, then S3; rows/s over
    the stage report's `seconds`, which include reading the rows, the model and the commit.
-3. Requests: moto logs every request it answers; the benchmark counts them per phase, by
+3. The server's floor: every Parquet object of the S3 table read raw (pyarrow's S3 client,
+   8 threads, no decoding), beside the same files read from local disk: how fast moto can
+   hand out the bytes at all, so the scan's S3 time can be split into transfer and work.
+4. Requests: moto logs every request it answers; the benchmark counts them per phase, by
    method, so a commit's cost (O(1) requests, no listing of `_delta_log`) is visible.
 
 The table: the Rotten Tomatoes reviews (the demo's ingest) replicated `--copies` times, each
@@ -118,6 +121,22 @@ def dir_bytes(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*.parquet"))
 
 
+def read_raw(fs, paths: list[str]) -> float:
+    """Seconds to read every file in `paths` whole, 8 at a time, bytes discarded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path: str) -> int:
+        # A random-access file reads whole in one GET; pyarrow's input stream would
+        # fetch it in many small ranged GETs, each a round trip through moto.
+        with fs.open_input_file(path) as f:
+            return len(f.read())
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, paths))
+    return time.perf_counter() - started
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -171,12 +190,21 @@ def main() -> None:
                 f"      model: {model}\n      to: preds\n      mode: overwrite\n"
                 f"      device: cpu\n      precision: fp32\n      threads: {a.threads}\n")
         scan_sql = "SELECT count(*) AS n, sum(length(text)) AS chars FROM big"
+        s3_fs = moto.filesystem()
+        raw_paths = {
+            "local": [str(p) for p in (work / "big").glob("*.parquet")],
+            "s3": [f.path for f in s3_fs.get_file_info(pafs.FileSelector("bench/big"))
+                   if f.path.endswith(".parquet")],
+        }
+        raw_fs = {"local": pafs.LocalFileSystem(), "s3": s3_fs}
+        raws = {s: [] for s in sides}
         scans = {s: [] for s in sides}
         predicts = {s: [] for s in sides}
         requests = {}
         for rep in range(a.repeats):
             order = list(sides) if rep % 2 == 0 else list(reversed(sides))
             for side in order:
+                raws[side].append(read_raw(raw_fs[side], raw_paths[side]))
                 moto.requests()
                 r = pipeline(a.bin, ["sql", str(work / f"{side}.yaml"), scan_sql], env)
                 scans[side].append(r["wall"])
@@ -186,10 +214,11 @@ def main() -> None:
                 rep_ = reports(r)[0]
                 predicts[side].append(rep_["rows_out"] / rep_["seconds"])
                 requests[f"predict_{side}"] = moto.requests()
-                print(f"repeat {rep + 1} {side}: scan {scans[side][-1]:.1f} s, predict "
+                print(f"repeat {rep + 1} {side}: raw read {raws[side][-1]:.1f} s, "
+                      f"scan {scans[side][-1]:.1f} s, predict "
                       f"{predicts[side][-1]:.0f} rows/s ({rep_['rows_out']} rows)", flush=True)
         med = {k: {s: statistics.median(v[s]) for s in sides} for k, v in
-               (("scan_s", scans), ("predict_rows_per_s", predicts))}
+               (("raw_read_s", raws), ("scan_s", scans), ("predict_rows_per_s", predicts))}
         summary = {
             "rows": rows, "parquet_bytes": size, "copies": a.copies,
             "predict_rows": a.predict_rows, "repeats": a.repeats, "threads": a.threads,
@@ -202,6 +231,9 @@ def main() -> None:
               f"({size / 1e6 / med['scan_s']['local']:.0f} MB/s), S3 {med['scan_s']['s3']:.1f} s "
               f"({size / 1e6 / med['scan_s']['s3']:.0f} MB/s): S3 takes "
               f"{summary['scan_s3_over_local']:.2f}x local's time")
+        print(f"raw read of the same files, no decoding: local {med['raw_read_s']['local']:.1f} s, "
+              f"S3 (moto) {med['raw_read_s']['s3']:.1f} s ({size / 1e6 / med['raw_read_s']['s3']:.0f} "
+              f"MB/s): the server's floor")
         print(f"predict ({a.predict_rows} rows, fp32): local "
               f"{med['predict_rows_per_s']['local']:.0f} rows/s, S3 "
               f"{med['predict_rows_per_s']['s3']:.0f} rows/s: S3 at "
