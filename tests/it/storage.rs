@@ -74,6 +74,20 @@ impl Drop for Server {
     }
 }
 
+/// Overwrites the Delta table `url` with the local reviews whose id is at most `max_id`.
+fn copy_reviews(s: &Scratch, storage: &str, url: &str, max_id: usize) {
+    s.write(
+        "copy.yaml",
+        &format!(
+            "name: copy\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
+             out: {{ delta: '{url}' }}\n\
+             stages:\n  - write: {{ sql: 'SELECT * FROM local_reviews WHERE id <= {max_id}', \
+             to: out, mode: overwrite }}\n"
+        ),
+    );
+    run_json(s, "copy.yaml", &[("S3_SECRET", S3_SECRET)]);
+}
+
 /// tests/py/object_store.py: buckets, uploads and Delta reads with pyarrow and delta-rs.
 fn store_py(kind: &str, server: &Server, args: &[&str]) -> serde_json::Value {
     let out = Command::new(env_path("LAKEML_PYTHON"))
@@ -305,15 +319,6 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
     // kill -9 during predict runs on S3: the table stays at its last committed version, and
     // a rerun completes the job in one commit.
     s.write(
-        "kreviews.yaml",
-        &format!(
-            "name: kr\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
-             reviews: {{ delta: s3://lake/kreviews }}\n\
-             stages:\n  - write: {{ sql: 'SELECT * FROM local_reviews WHERE id <= ${{N}}', \
-             to: reviews, mode: overwrite }}\n"
-        ),
-    );
-    s.write(
         "killed.yaml",
         &format!(
             "name: killed\n{storage}tables:\n  reviews: {{ delta: s3://lake/kreviews }}\n  \
@@ -321,17 +326,9 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
              stages:\n  - predict: {{ from: reviews, model: model, to: preds }}\n"
         ),
     );
-    run_json(
-        &s,
-        "kreviews.yaml",
-        &[("S3_SECRET", S3_SECRET), ("N", "10")],
-    );
+    copy_reviews(&s, &storage, "s3://lake/kreviews", 10);
     run_json(&s, "killed.yaml", &env);
-    run_json(
-        &s,
-        "kreviews.yaml",
-        &[("S3_SECRET", S3_SECRET), ("N", "40")],
-    );
+    copy_reviews(&s, &storage, "s3://lake/kreviews", ROWS);
     for delay_ms in [200, 700, 1500, 3000] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
             .args(["run", "--quiet", "killed.yaml"])
@@ -388,16 +385,7 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
         (count("reviews"), count("preds")),
         (ROWS as u64, ROWS as u64)
     );
-    s.write(
-        "shrink.yaml",
-        &format!(
-            "name: shrink\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
-             reviews: {{ delta: s3://lake/reviews }}\n\
-             stages:\n  - write: {{ sql: 'SELECT * FROM local_reviews WHERE id <= 10', \
-             to: reviews, mode: overwrite }}\n"
-        ),
-    );
-    run_json(&s, "shrink.yaml", &env);
+    copy_reviews(&s, &storage, "s3://lake/reviews", 10);
     assert_eq!(count("reviews"), 10, "the new S3 commit is not seen");
     assert!(!served.stderr().contains(S3_SECRET));
     served.stop();
