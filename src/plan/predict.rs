@@ -71,6 +71,34 @@ pub(crate) fn model_labels(
     Ok(labels)
 }
 
+/// The local copy of the model an earlier train stage of this file publishes to an object
+/// store at `text`: this run reads what that stage wrote, not the store's older model.
+fn trained_earlier(
+    base: &Path,
+    text: &str,
+    earlier: &[Stage],
+    storage: &crate::storage::Defaults,
+) -> Option<std::path::PathBuf> {
+    if !crate::storage::is_url(text) {
+        return None;
+    }
+    let options = crate::storage::StorageOptions::default();
+    let wanted = crate::storage::Location::parse(base, text, storage, &options).ok()?;
+    let wanted = wanted.remote()?.url().as_str().trim_end_matches('/');
+    earlier.iter().find_map(|s| match s {
+        Stage::Train(t) => {
+            let out = t
+                .output_remote
+                .as_ref()?
+                .url()
+                .as_str()
+                .trim_end_matches('/');
+            (format!("{out}/model") == wanted).then(|| t.output.join("model"))
+        }
+        _ => None,
+    })
+}
+
 pub(super) fn predict_stage(
     base: &Path,
     i: usize,
@@ -81,8 +109,11 @@ pub(super) fn predict_stage(
     let field = format!("stages[{i}].predict");
     let f = field.as_str();
     let query = query(base, &p.source, f)?;
-    let model = crate::storage::model_dir(base, &p.model, storage)
-        .map_err(|m| format!("{f}.model: {m}"))?;
+    let model = match trained_earlier(base, &p.model, earlier, storage) {
+        Some(dir) => dir,
+        None => crate::storage::model_dir(base, &p.model, storage)
+            .map_err(|m| format!("{f}.model: {m}"))?,
+    };
     // The model may be the one an earlier train stage of this pipeline writes.
     let trainer = earlier.iter().find_map(|s| match s {
         Stage::Train(t) if t.output.join("model") == model => Some(t),

@@ -24,7 +24,10 @@ pub(crate) struct TrainStage {
     pub model: PathBuf,
     /// The model's `config.json`, read once when the pipeline file is.
     pub config: ModelConfig,
+    /// The run directory the trainer writes: `train.output`, or the cache's local copy of it
+    /// when it is an object-store URL (`output_remote`), which it is mirrored to.
     pub output: PathBuf,
+    pub output_remote: Option<crate::storage::Remote>,
     /// The id column as given (`id:`) or as the tokenize stage of this file that writes the
     /// table writes it; `None`: as the table's tokenize commit recorded it, else `id`
     /// (`plan::train::id_column`).
@@ -104,8 +107,8 @@ pub(super) fn train_stage(
     let query = query(base, &t.source, f)?;
     let model = crate::storage::model_dir(base, &t.model, storage)
         .map_err(|m| format!("{f}.model: {m}"))?;
-    let output =
-        crate::storage::local_path(base, &t.output).map_err(|m| format!("{f}.output: {m}"))?;
+    let (output, output_remote) = crate::storage::run_dir(base, &t.output, storage)
+        .map_err(|m| format!("{f}.output: {m}"))?;
     if !model.is_dir() {
         return Err(format!(
             "{f}.model: `{}` is not a directory; give an HF model directory (config.json, \
@@ -226,6 +229,7 @@ pub(super) fn train_stage(
         field,
         query,
         output,
+        output_remote,
         model,
         config,
         id,

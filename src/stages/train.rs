@@ -13,7 +13,8 @@ use crate::error::{Error, Result};
 use crate::fingerprint;
 use crate::plan::TrainStage;
 use crate::report::StageReport;
-use crate::train::{self, ID, Job, Limits};
+use crate::storage::Mirror;
+use crate::train::{self, ID, Job, Limits, RunDir};
 
 /// Size and modification time of each file of the model directory that shapes the model.
 fn model_identity(dir: &Path) -> Value {
@@ -99,23 +100,32 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         "device": stage.device_name(),
         "settings": stage.settings,
     }));
+    let output = RunDir {
+        path: stage.output.clone(),
+        mirror: stage
+            .output_remote
+            .as_ref()
+            .map(Mirror::new)
+            .transpose()
+            .map_err(|e| Error::Model(format!("stage `{}`: {e}", stage.name)))?,
+    };
     let mut report = StageReport {
         stage: stage.name.clone(),
         kind: "train".into(),
-        table: stage.output.join("model").display().to_string(),
+        table: model_location(&output),
         ..Default::default()
     };
     let summary_path = stage.output.join("run.json");
     if !run.options.force
-        && let Ok(text) = std::fs::read_to_string(&summary_path)
-        && let Ok(done) = serde_json::from_str::<StageReport>(&text)
+        && let Some(done) = finished_run(&output)?
         && done.fingerprint.as_deref() == Some(fingerprint.as_str())
-        && stage
-            .output
-            .join("model")
-            .join("model.safetensors")
-            .is_file()
     {
+        // A later stage of this run may read the model: have it here too.
+        if let Some(mirror) = &output.mirror {
+            mirror
+                .pull("model")
+                .map_err(|e| Error::Model(format!("stage `{}`: {e}", stage.name)))?;
+        }
         return Ok(StageReport {
             cached: true,
             ..done
@@ -123,11 +133,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     }
     if run.options.force {
         // A forced run starts over instead of resuming.
-        let checkpoints = stage.output.join("checkpoints");
-        if checkpoints.exists() {
-            std::fs::remove_dir_all(&checkpoints)
-                .map_err(|e| Error::io(format!("removing {}", checkpoints.display()), e))?;
-        }
+        train::clear_checkpoints(&output)?;
     }
 
     let batches = df.collect().await.map_err(engine)?;
@@ -145,7 +151,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     let job = Job {
         model_dir: stage.model.clone(),
         config: stage.config.clone(),
-        output: stage.output.clone(),
+        output,
         device: stage.device,
         mlflow: stage.mlflow.clone(),
         settings: stage.settings.clone(),
@@ -162,7 +168,10 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
                 "stage `{}` failed: {e}; {} keeps its previous model (if any), and a rerun \
                  resumes from the last checkpoint",
                 stage.name,
-                stage.output.display()
+                stage.output_remote.as_ref().map_or_else(
+                    || stage.output.display().to_string(),
+                    |r| r.url().to_string()
+                )
             ))
         })?;
 
@@ -171,13 +180,61 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     report.resumed_from = outcome.resumed_from;
     report.stopped_early = outcome.stopped_early;
     report.mlflow_run_id = outcome.mlflow_run_id;
-    report.table = outcome.model_dir.display().to_string();
+    report.table = match &stage.output_remote {
+        Some(_) => report.table,
+        None => outcome.model_dir.display().to_string(),
+    };
     report.fingerprint = Some(fingerprint);
     let text = serde_json::to_string_pretty(&report)
         .map_err(|e| Error::Internal(format!("run.json: {e}")))?;
     std::fs::write(&summary_path, text)
         .map_err(|e| Error::io(format!("writing {}", summary_path.display()), e))?;
+    if let Some(remote) = &stage.output_remote {
+        Mirror::new(remote)
+            .and_then(|m| m.push_file("run.json"))
+            .map_err(|e| {
+                Error::Model(format!("stage `{}`: uploading run.json: {e}", stage.name))
+            })?;
+    }
     Ok(report)
+}
+
+/// Where the trained model is: a local path, or its URL in the store.
+fn model_location(output: &RunDir) -> String {
+    match &output.mirror {
+        Some(mirror) => mirror.url_of("model"),
+        None => output.path.join("model").display().to_string(),
+    }
+}
+
+/// The report of the run that last completed in `output`, if its model is there whole: a
+/// local `model.safetensors`, or a model stamped complete in the store.
+fn finished_run(output: &RunDir) -> Result<Option<StageReport>> {
+    let text = match &output.mirror {
+        None => {
+            if !output
+                .path
+                .join("model")
+                .join("model.safetensors")
+                .is_file()
+            {
+                return Ok(None);
+            }
+            std::fs::read(output.path.join("run.json")).ok()
+        }
+        Some(mirror) => {
+            let failed = |e: String| Error::Model(format!("reading the run directory: {e}"));
+            let stamp = mirror
+                .read(&format!("model/{}", crate::storage::STAMP))
+                .map_err(failed)?
+                .and_then(|b| serde_json::from_slice::<crate::storage::Stamp>(&b).ok());
+            if !stamp.is_some_and(|s| s.is_complete()) {
+                return Ok(None);
+            }
+            mirror.read("run.json").map_err(failed)?
+        }
+    };
+    Ok(text.and_then(|t| serde_json::from_slice(&t).ok()))
 }
 
 /// What to lower when training runs out of memory.

@@ -13,6 +13,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::mirror::{STAMP, Stamp};
 use super::{Defaults, Location, Remote, StorageOptions};
 
 /// True when `text` is a URL (`scheme://...`) rather than a path.
@@ -73,9 +74,12 @@ async fn fetch_dir(remote: &Remote) -> Result<PathBuf, String> {
             remote.url()
         ));
     }
-    let dir = cache_root().join("models").join(hex::encode(
-        &Sha256::digest(remote.url().as_str().as_bytes())[..8],
-    ));
+    if want.files.contains_key(STAMP) {
+        check_stamp(store.as_ref(), remote, &prefix, &want).await?;
+    }
+    let dir = cache_root()
+        .join("models")
+        .join(short_hash(remote.url().as_str()));
     if read_manifest(&dir).as_ref() == Some(&want) {
         return Ok(dir);
     }
@@ -114,14 +118,63 @@ async fn fetch_dir(remote: &Remote) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
+/// A model directory a training run writes carries its stamp: it must say complete, and
+/// list exactly the sizes the store holds.
+async fn check_stamp(
+    store: &dyn ObjectStore,
+    remote: &Remote,
+    prefix: &object_store::path::Path,
+    want: &Manifest,
+) -> Result<(), String> {
+    let key: object_store::path::Path = prefix.parts().chain([STAMP.into()]).collect();
+    let body = store
+        .get(&key)
+        .await
+        .map_err(|e| super::explain(remote, &e))?
+        .bytes()
+        .await
+        .map_err(|e| super::explain(remote, &e))?;
+    let stamp: Stamp = serde_json::from_slice(&body)
+        .map_err(|e| format!("{}: its {STAMP} is unreadable ({e})", remote.url()))?;
+    if !stamp.is_complete() {
+        return Err(format!(
+            "{}: a training run ({}, since {}) is still writing this model, or was killed \
+             before it finished; wait for it, or rerun its training",
+            remote.url(),
+            stamp.by,
+            stamp.at
+        ));
+    }
+    let held: BTreeMap<&str, u64> = want
+        .files
+        .iter()
+        .map(|(name, (size, _))| (name.as_str(), *size))
+        .collect();
+    for (name, size) in &stamp.files {
+        if held.get(name.as_str()) != Some(size) {
+            return Err(format!(
+                "{}: `{name}` does not match the model's {STAMP} (a new model is being \
+                 published); try again in a moment",
+                remote.url()
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn read_manifest(dir: &Path) -> Option<Manifest> {
     std::fs::read(dir.join(MANIFEST))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
 }
 
+/// The first 8 bytes of a text's SHA-256, in hex: a cache directory's name.
+pub(super) fn short_hash(text: &str) -> String {
+    hex::encode(&Sha256::digest(text.as_bytes())[..8])
+}
+
 /// Streams one object into a file.
-async fn download(
+pub(super) async fn download(
     store: &dyn ObjectStore,
     source: &object_store::path::Path,
     target: &Path,
@@ -141,7 +194,7 @@ async fn download(
 
 /// `$LAKEML_CACHE`, else `$XDG_CACHE_HOME/lakeml`, else `~/.cache/lakeml`: the cache the
 /// project's scripts use too.
-fn cache_root() -> PathBuf {
+pub(crate) fn cache_root() -> PathBuf {
     if let Some(dir) = std::env::var_os("LAKEML_CACHE") {
         return PathBuf::from(dir);
     }
@@ -154,7 +207,7 @@ fn cache_root() -> PathBuf {
 
 /// Runs `future` to completion from synchronous code, on a thread of its own so it works
 /// whether or not the caller is inside a runtime.
-fn block_on<T: Send>(
+pub(crate) fn block_on<T: Send>(
     future: impl std::future::Future<Output = Result<T, String>> + Send,
 ) -> Result<T, String> {
     std::thread::scope(|s| {

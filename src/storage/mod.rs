@@ -9,6 +9,7 @@
 
 mod cache;
 mod factory;
+mod mirror;
 mod options;
 mod probe;
 
@@ -20,6 +21,7 @@ use object_store::ObjectStore;
 use url::Url;
 
 pub(crate) use cache::{is_url, model_dir};
+pub(crate) use mirror::{Mirror, STAMP, Stamp, run_dir};
 pub(crate) use options::{Defaults, StorageOptions};
 pub(crate) use probe::explain;
 
@@ -184,8 +186,14 @@ impl fmt::Debug for Location {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Local(p) => write!(f, "Local({})", p.display()),
-            Self::Remote(r) => write!(f, "Remote({}, {:?})", r.url, r.options),
+            Self::Remote(r) => write!(f, "{r:?}"),
         }
+    }
+}
+
+impl fmt::Debug for Remote {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Remote({}, {:?})", self.url, self.options)
     }
 }
 

@@ -2,6 +2,10 @@
 //! loop's position) every N steps or epochs, the last K kept, plus `checkpoints/best/` (the
 //! weights with the best validation metric). Each is written to a temporary directory and
 //! renamed, so a kill never leaves a half-written checkpoint that looks complete.
+//!
+//! When `train.output` is an object-store URL, each checkpoint is uploaded as it is saved
+//! (its `state.json` last, which marks it whole), pruned there as here, and the newest whole
+//! one is fetched before a run starts, so a run killed on one machine resumes on another.
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +13,25 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{Error, Result};
+use crate::storage::Mirror;
+
+/// Where a run writes: a local directory, mirrored to an object store when `train.output`
+/// is a URL.
+#[derive(Debug)]
+pub(crate) struct RunDir {
+    pub path: PathBuf,
+    pub mirror: Option<Mirror>,
+}
+
+/// The file that marks a checkpoint directory whole, here and in the store.
+const MARKER: &str = "state.json";
+
+/// Files of the run directory a resumed run appends to.
+const LOGS: [&str; 2] = ["metrics.jsonl", "tensorboard"];
+
+fn remote(e: String) -> Error {
+    Error::Model(format!("checkpoint upload: {e}"))
+}
 
 /// Where the training loop is, and what it has seen: enough to resume exactly.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -46,7 +69,7 @@ fn write_dir(dir: &Path, tensors: &[(&str, Tensor)], state: &LoopState) -> Resul
         .map_err(|e| Error::Model(format!("writing checkpoint {}: {e}", tmp.display())))?;
     let json = serde_json::to_string_pretty(state)
         .map_err(|e| Error::Internal(format!("checkpoint state: {e}")))?;
-    std::fs::write(tmp.join("state.json"), json).map_err(io(&tmp))?;
+    std::fs::write(tmp.join(MARKER), json).map_err(io(&tmp))?;
     if dir.exists() {
         std::fs::remove_dir_all(dir).map_err(io(dir))?;
     }
@@ -59,25 +82,94 @@ pub(crate) fn dir(run_dir: &Path) -> PathBuf {
 
 /// Saves a resumable checkpoint at `state.global_step` and prunes all but the last `keep`.
 pub(crate) fn save(
-    run_dir: &Path,
+    run: &RunDir,
     tensors: &[(&str, Tensor)],
     state: &LoopState,
     keep: usize,
 ) -> Result<PathBuf> {
-    let root = dir(run_dir);
-    let path = root.join(format!("step-{:08}", state.global_step));
+    let root = dir(&run.path);
+    let name = format!("step-{:08}", state.global_step);
+    let path = root.join(&name);
     write_dir(&path, tensors, state)?;
     let mut steps = list(&root)?;
     while steps.len() > keep.max(1) {
         let old = steps.remove(0);
         std::fs::remove_dir_all(&old).map_err(io(&old))?;
     }
+    if let Some(mirror) = &run.mirror {
+        mirror
+            .push_dir(&format!("checkpoints/{name}"), Some(MARKER))
+            .map_err(remote)?;
+        let kept: Vec<String> = steps
+            .iter()
+            .filter_map(|p| p.file_name()?.to_str().map(str::to_string))
+            .collect();
+        for old in mirror.whole_dirs("checkpoints", MARKER).map_err(remote)? {
+            if old.starts_with("step-") && !kept.contains(&old) {
+                mirror
+                    .remove_dir(&format!("checkpoints/{old}"), Some(MARKER))
+                    .map_err(remote)?;
+            }
+        }
+        push_logs(run)?;
+    }
     Ok(path)
 }
 
 /// Saves the best weights so far.
-pub(crate) fn save_best(run_dir: &Path, weights: Tensor, state: &LoopState) -> Result<()> {
-    write_dir(&dir(run_dir).join("best"), &[("weights", weights)], state)
+pub(crate) fn save_best(run: &RunDir, weights: Tensor, state: &LoopState) -> Result<()> {
+    write_dir(&dir(&run.path).join("best"), &[("weights", weights)], state)?;
+    if let Some(mirror) = &run.mirror {
+        mirror
+            .push_dir("checkpoints/best", Some(MARKER))
+            .map_err(remote)?;
+    }
+    Ok(())
+}
+
+/// Uploads the metrics log and the TensorBoard events, which a resumed run appends to.
+pub(crate) fn push_logs(run: &RunDir) -> Result<()> {
+    let Some(mirror) = &run.mirror else {
+        return Ok(());
+    };
+    for name in LOGS {
+        let path = run.path.join(name);
+        if path.is_dir() {
+            mirror.push_dir(name, None).map_err(remote)?;
+        } else if path.is_file() {
+            mirror.push_file(name).map_err(remote)?;
+        }
+    }
+    Ok(())
+}
+
+/// Before a run on a mirrored run directory: makes the local checkpoints the newest whole
+/// one in the store (and its best weights), with the logs, whichever machine wrote them.
+pub(crate) fn pull(run: &RunDir) -> Result<()> {
+    let Some(mirror) = &run.mirror else {
+        return Ok(());
+    };
+    let fetch = |e: String| Error::Model(format!("fetching checkpoints: {e}"));
+    let whole = mirror.whole_dirs("checkpoints", MARKER).map_err(fetch)?;
+    let newest = whole.iter().rfind(|n| n.starts_with("step-"));
+    for local in list(&dir(&run.path))? {
+        if local.file_name().and_then(|n| n.to_str()) != newest.map(String::as_str) {
+            std::fs::remove_dir_all(&local).map_err(io(&local))?;
+        }
+    }
+    if let Some(name) = newest {
+        mirror.pull(&format!("checkpoints/{name}")).map_err(fetch)?;
+    }
+    let best = dir(&run.path).join("best");
+    if whole.iter().any(|n| n == "best") {
+        mirror.pull("checkpoints/best").map_err(fetch)?;
+    } else if best.exists() {
+        std::fs::remove_dir_all(&best).map_err(io(&best))?;
+    }
+    for name in LOGS {
+        mirror.pull(name).map_err(fetch)?;
+    }
+    Ok(())
 }
 
 /// Complete step checkpoints, oldest first.
@@ -91,7 +183,7 @@ fn list(root: &Path) -> Result<Vec<PathBuf>> {
             p.file_name()
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("step-") && !n.ends_with(".tmp"))
-                && p.join("state.json").is_file()
+                && p.join(MARKER).is_file()
         })
         .collect();
     out.sort();
@@ -105,7 +197,7 @@ pub(crate) struct Restored {
 }
 
 fn read(path: &Path) -> Result<Restored> {
-    let text = std::fs::read_to_string(path.join("state.json")).map_err(io(path))?;
+    let text = std::fs::read_to_string(path.join(MARKER)).map_err(io(path))?;
     let state: LoopState = serde_json::from_str(&text).map_err(|e| {
         Error::Model(format!(
             "checkpoint {} has a bad state.json: {e}; delete it to start over",
@@ -122,8 +214,8 @@ fn read(path: &Path) -> Result<Restored> {
 }
 
 /// The latest step checkpoint of this configuration, if any.
-pub(crate) fn latest(run_dir: &Path, fingerprint: &str) -> Result<Option<Restored>> {
-    for path in list(&dir(run_dir))?.into_iter().rev() {
+pub(crate) fn latest(run: &RunDir, fingerprint: &str) -> Result<Option<Restored>> {
+    for path in list(&dir(&run.path))?.into_iter().rev() {
         let restored = read(&path)?;
         if restored.state.fingerprint == fingerprint {
             return Ok(Some(restored));
@@ -133,9 +225,9 @@ pub(crate) fn latest(run_dir: &Path, fingerprint: &str) -> Result<Option<Restore
 }
 
 /// The best weights saved by this configuration, if any.
-pub(crate) fn best(run_dir: &Path, fingerprint: &str) -> Result<Option<Tensor>> {
-    let path = dir(run_dir).join("best");
-    if !path.join("state.json").is_file() {
+pub(crate) fn best(run: &RunDir, fingerprint: &str) -> Result<Option<Tensor>> {
+    let path = dir(&run.path).join("best");
+    if !path.join(MARKER).is_file() {
         return Ok(None);
     }
     let restored = read(&path)?;
@@ -145,11 +237,19 @@ pub(crate) fn best(run_dir: &Path, fingerprint: &str) -> Result<Option<Tensor>> 
         .map(|(_, t)| t))
 }
 
-/// Removes every checkpoint (a fresh start, or `--force`).
-pub(crate) fn clear(run_dir: &Path) -> Result<()> {
-    let root = dir(run_dir);
+/// Removes every checkpoint (a fresh start, or `--force`), here and in the store.
+pub(crate) fn clear(run: &RunDir) -> Result<()> {
+    let root = dir(&run.path);
     if root.exists() {
         std::fs::remove_dir_all(&root).map_err(io(&root))?;
+    }
+    if let Some(mirror) = &run.mirror {
+        for whole in mirror.whole_dirs("checkpoints", MARKER).map_err(remote)? {
+            mirror
+                .remove_dir(&format!("checkpoints/{whole}"), Some(MARKER))
+                .map_err(remote)?;
+        }
+        mirror.remove_dir("checkpoints", None).map_err(remote)?;
     }
     Ok(())
 }

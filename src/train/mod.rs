@@ -17,6 +17,7 @@ mod trainer;
 
 use serde::Serialize;
 
+pub(crate) use checkpoint::{RunDir, clear as clear_checkpoints};
 pub(crate) use data::{ID, Limits, dataset};
 pub(crate) use trainer::{Job, train};
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use tch::{Kind, Tensor};
 
-use super::checkpoint::{self, LoopState};
+use super::checkpoint::{self, LoopState, RunDir};
 use super::data::{Dataset, Split};
 use super::loader::{self, Batch, Order, Prefetch};
 use super::metrics::{self, Metrics};
@@ -32,7 +32,7 @@ pub(crate) struct Outcome {
 pub(crate) struct Job {
     pub model_dir: PathBuf,
     pub config: ModelConfig,
-    pub output: PathBuf,
+    pub output: RunDir,
     pub device: tch::Device,
     pub mlflow: Option<MlflowSettings>,
     pub settings: TrainSettings,
@@ -171,6 +171,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         ..LoopState::default()
     };
     let mut resumed_from = None;
+    checkpoint::pull(&job.output)?;
     match checkpoint::latest(&job.output, &job.fingerprint)? {
         Some(restored) => {
             opt.restore(&restored.tensors, restored.state.global_step)?;
@@ -180,7 +181,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         None => checkpoint::clear(&job.output)?,
     }
     let mut tracker = Tracker::open(
-        &job.output,
+        &job.output.path,
         job.mlflow.clone(),
         state.mlflow_run_id.as_deref(),
     )?;
@@ -244,6 +245,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     let model_dir = save_model(&job, &model)?;
     tracker.artifacts(&model_dir, "model")?;
     tracker.finish(true)?;
+    checkpoint::push_logs(&job.output)?;
 
     let secs = state.train_seconds.max(1e-9);
     outcome_metrics.insert("steps".into(), state.global_step as f64);
@@ -577,11 +579,13 @@ impl Window {
 
 /// Writes the HF model directory (`config.json` with the labels, `model.safetensors`,
 /// the tokenizer files) next to `model/`, then renames it into place: a reader sees the old
-/// directory or the complete new one, never a partial one.
+/// directory or the complete new one, never a partial one. A mirrored run directory then
+/// publishes it to the store, where its stamp does the same for readers.
 fn save_model(job: &Job, model: &Model) -> Result<PathBuf> {
-    let dest = job.output.join("model");
+    let dest = job.output.path.join("model");
     let tmp = job
         .output
+        .path
         .join(format!(".model.tmp-{}", std::process::id()));
     let io = |p: &Path| {
         let p = p.to_path_buf();
@@ -612,6 +616,7 @@ fn save_model(job: &Job, model: &Model) -> Result<PathBuf> {
     }
     let old = job
         .output
+        .path
         .join(format!(".model.old-{}", std::process::id()));
     if dest.exists() {
         std::fs::rename(&dest, &old).map_err(io(&dest))?;
@@ -619,6 +624,11 @@ fn save_model(job: &Job, model: &Model) -> Result<PathBuf> {
     std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
     if old.exists() {
         std::fs::remove_dir_all(&old).map_err(io(&old))?;
+    }
+    if let Some(mirror) = &job.output.mirror {
+        mirror
+            .publish("model")
+            .map_err(|e| Error::Model(format!("publishing the model: {e}")))?;
     }
     Ok(dest)
 }

@@ -19,15 +19,15 @@ use crate::common::{
 use crate::mlflow_server::free_port;
 
 /// A test server on 127.0.0.1, stopped with its process group when dropped.
-struct Server {
+pub(crate) struct Server {
     child: Child,
     port: u16,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Server {
     /// Starts `program ARGS` with `{port}` in ARGS replaced by a free port.
-    fn start(program: PathBuf, args: &[&str]) -> Self {
+    pub(crate) fn start(program: PathBuf, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = free_port();
         let args: Vec<String> = args
@@ -44,11 +44,7 @@ impl Server {
             .process_group(0)
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", program.display()));
-        let server = Self {
-            child,
-            port,
-            _dir: dir,
-        };
+        let server = Self { child, port, dir };
         let deadline = Instant::now() + Duration::from_secs(60);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(
@@ -61,8 +57,13 @@ impl Server {
         server
     }
 
-    fn endpoint(&self) -> String {
+    pub(crate) fn endpoint(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Its output so far: moto logs one line per request.
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
     }
 }
 
@@ -89,7 +90,7 @@ fn copy_reviews(s: &Scratch, storage: &str, url: &str, max_id: usize) {
 }
 
 /// tests/py/object_store.py: buckets, uploads and Delta reads with pyarrow and delta-rs.
-fn store_py(kind: &str, server: &Server, args: &[&str]) -> serde_json::Value {
+pub(crate) fn store_py(kind: &str, server: &Server, args: &[&str]) -> serde_json::Value {
     let out = Command::new(env_path("LAKEML_PYTHON"))
         .arg(repo().join("tests/py/object_store.py"))
         .args([kind, &server.endpoint()])
@@ -105,7 +106,7 @@ fn store_py(kind: &str, server: &Server, args: &[&str]) -> serde_json::Value {
 }
 
 /// `pipeline ARGS` in the scratch directory with `env` set.
-fn pipeline(s: &Scratch, args: &[&str], env: &[(&str, &str)]) -> Output {
+pub(crate) fn pipeline(s: &Scratch, args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_pipeline"))
         .args(args)
         .envs(env.iter().copied())
@@ -115,7 +116,11 @@ fn pipeline(s: &Scratch, args: &[&str], env: &[(&str, &str)]) -> Output {
         .expect("run pipeline")
 }
 
-fn run_json(s: &Scratch, file: &str, env: &[(&str, &str)]) -> (Vec<serde_json::Value>, String) {
+pub(crate) fn run_json(
+    s: &Scratch,
+    file: &str,
+    env: &[(&str, &str)],
+) -> (Vec<serde_json::Value>, String) {
     let out = pipeline(s, &["run", "--json", "--quiet", file], env);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{file} failed:\n{stderr}");
@@ -197,9 +202,9 @@ fn local_baseline() -> (Scratch, serde_json::Value) {
     (s, local)
 }
 
-const S3_SECRET: &str = "lakeml-test-secret";
+pub(crate) const S3_SECRET: &str = "lakeml-test-secret";
 
-fn s3_storage(endpoint: &str) -> String {
+pub(crate) fn s3_storage(endpoint: &str) -> String {
     format!(
         "storage:\n  s3: {{ endpoint: 'http://{endpoint}', allow_http: true, region: us-east-1, \
          access_key_id: lakeml-test, secret_access_key: '${{S3_SECRET}}' }}\n"
@@ -452,6 +457,218 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
     assert_eq!(
         listed["version"], remote["version"],
         "a refused run changed a table"
+    );
+}
+
+/// The demo's chain with its training on S3: `reviews` (with splits) → tokenized → train →
+/// predict, `settings` (lines indented by six spaces) for the train stage; `lake` is the
+/// tables' root and `run` the train stage's output.
+fn train_chain(storage: &str, lake: &str, run: &str, settings: &str) -> String {
+    format!(
+        "name: chain\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
+         reviews: {{ delta: '{lake}/reviews' }}\n  tokenized: {{ delta: '{lake}/tokenized' }}\n  \
+         preds: {{ delta: '{lake}/preds' }}\n\
+         stages:\n  - write: {{ from: local_reviews, to: reviews }}\n  \
+         - tokenize: {{ from: reviews, tokenizer: {minilm}, label: truth, keep: [split], \
+         max_length: 64, to: tokenized }}\n  \
+         - train:\n      from: tokenized\n      model: {minilm}\n      output: '{run}'\n      \
+         batch_size: 16\n      lr: 1.0e-4\n{settings}  \
+         - predict: {{ from: reviews, model: '{run}/model', to: preds }}\n",
+        minilm = minilm().display()
+    )
+}
+
+/// The only file `dir` holds that is named `name`, at any depth.
+fn find_file(dir: &std::path::Path, name: &str) -> PathBuf {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.file_name().is_some_and(|n| n == name) {
+                found.push(path);
+            }
+        }
+    }
+    assert_eq!(found.len(), 1, "{name} under {}: {found:?}", dir.display());
+    found.remove(0)
+}
+
+#[test]
+fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
+    let moto = Server::start(
+        env_path("LAKEML_MOTO"),
+        &["-H", "127.0.0.1", "-p", "{port}"],
+    );
+    store_py("s3", &moto, &["mkdir", "lake"]);
+    let env = [("S3_SECRET", S3_SECRET)];
+    let storage = s3_storage(&moto.endpoint());
+    let settings = "      max_steps: 8\n      eval_every: none\n      checkpoint_every: 2\n      \
+                    save: final\n      threads: 1\n";
+    let s = Scratch::new();
+    s.write(
+        INGEST,
+        &ingest_yaml().replace(
+            "category AS truth",
+            "category AS truth, \
+        CASE WHEN row_number() OVER (ORDER BY text, movie_name) % 5 = 0 THEN 'validation' \
+        ELSE 'train' END AS split",
+        ),
+    );
+    ingest(&s, 160);
+    // The whole chain on local disk, uninterrupted: the reference.
+    s.write("local.yaml", &train_chain("", "lake/l", "run", settings));
+    run_json(&s, "local.yaml", &[]);
+    let local = crate::common::python(
+        "read_delta.py",
+        &[s.path().join("lake/l/preds").to_str().expect("utf-8")],
+    );
+
+    // Machine A trains on S3 and is killed -9 once its step-2 checkpoint is in the store.
+    s.write(
+        "s3.yaml",
+        &train_chain(&storage, "s3://lake", "s3://lake/run", settings),
+    );
+    let machine = |name: &str| s.path().join(name);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(["run", "--quiet", "s3.yaml"])
+        .envs(env)
+        .env("LAKEML_CACHE", machine("a"))
+        .current_dir(s.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let marker = "PUT /lake/run/checkpoints/step-00000002/state.json";
+    let started = Instant::now();
+    while !moto.log().contains(marker) && started.elapsed() < Duration::from_secs(300) {
+        assert!(
+            child.try_wait().expect("try_wait").is_none(),
+            "the run ended early"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().expect("kill -9");
+    child.wait().expect("wait");
+    assert!(
+        moto.log().contains(marker),
+        "no step-2 checkpoint reached S3"
+    );
+    assert!(
+        !moto
+            .log()
+            .contains("PUT /lake/run/model/_lakeml_model.json"),
+        "killed before the end, yet a model was stamped"
+    );
+
+    // Machine B, with an empty cache, resumes from the store and ends with the weights of the
+    // uninterrupted run, bit for bit; its predictions equal the local ones.
+    let b = |file: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .args(["run", "--json", "--quiet", file])
+            .envs(env)
+            .env("LAKEML_CACHE", machine("b"))
+            .current_dir(s.path())
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{file}: {stderr}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json"))
+            .collect::<Vec<serde_json::Value>>()
+    };
+    let reports = b("s3.yaml");
+    let train = &reports[2];
+    assert!(
+        train["resumed_from"].as_u64().is_some_and(|step| step >= 2),
+        "{train}"
+    );
+    assert_eq!(train["table"], "s3://lake/run/model");
+    let cmp = crate::common::python(
+        "compare_weights.py",
+        &[
+            s.path()
+                .join("run/model/model.safetensors")
+                .to_str()
+                .expect("utf-8"),
+            find_file(&machine("b").join("runs"), "model.safetensors")
+                .to_str()
+                .expect("utf-8"),
+        ],
+    );
+    assert_eq!(cmp["names_equal"], true, "{cmp}");
+    assert_eq!(cmp["max_abs_diff"], 0.0, "{cmp}");
+    let remote = store_py("s3", &moto, &["read", "s3://lake/preds"]);
+    assert_same_predictions(&remote["rows"], &local["rows"], 160);
+    let log = moto.log();
+    assert!(
+        log.contains("PUT /lake/run/model/_lakeml_model.json"),
+        "no stamp"
+    );
+    assert!(log.contains("PUT /lake/run/run.json"), "no run.json");
+
+    // Machine C finds the training done in the store (it fetches the model for the stage
+    // after it), and a pipeline that only predicts reads the stamped model from S3.
+    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(["run", "--json", "--quiet", "s3.yaml"])
+        .envs(env)
+        .env("LAKEML_CACHE", machine("c"))
+        .current_dir(s.path())
+        .output()
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let train: serde_json::Value =
+        serde_json::from_str(stdout.lines().nth(2).expect("train report")).expect("json");
+    assert_eq!(train["cached"], true, "{train}");
+    s.write(
+        "score.yaml",
+        &format!(
+            "name: score\n{storage}tables:\n  reviews: {{ delta: s3://lake/reviews }}\n  \
+             scored: {{ delta: s3://lake/scored }}\n\
+             stages:\n  - predict: {{ from: reviews, model: s3://lake/run/model, to: scored }}\n"
+        ),
+    );
+    run_json(&s, "score.yaml", &env);
+    let scored = store_py("s3", &moto, &["read", "s3://lake/scored"]);
+    assert_same_predictions(&scored["rows"], &local["rows"], 160);
+
+    // A model directory whose stamp says `writing` (a run publishing, or killed while it
+    // did) is refused by its readers.
+    let half = s.path().join("half");
+    std::fs::create_dir_all(&half).expect("mkdir");
+    for name in ["config.json", "tokenizer.json"] {
+        std::fs::copy(s.path().join("run/model").join(name), half.join(name)).expect("copy");
+    }
+    std::fs::write(
+        half.join("_lakeml_model.json"),
+        r#"{"state": "writing", "by": "elsewhere:1", "at": "2026-11-25T00:00:00Z"}"#,
+    )
+    .expect("stamp");
+    store_py(
+        "s3",
+        &moto,
+        &["upload", half.to_str().expect("utf-8"), "lake/half"],
+    );
+    s.write(
+        "half.yaml",
+        &format!(
+            "name: half\n{storage}tables:\n  reviews: {{ delta: s3://lake/reviews }}\n  \
+             out: {{ delta: s3://lake/out }}\n\
+             stages:\n  - predict: {{ from: reviews, model: s3://lake/half, to: out }}\n"
+        ),
+    );
+    let e = refused(&s, "half.yaml", &env);
+    assert!(
+        e.contains("still writing this model") && e.contains("elsewhere:1"),
+        "{e}"
     );
 }
 
