@@ -66,9 +66,9 @@ impl TableDef {
             .map_err(|m| Error::Data(format!("table `{}`: {m}", self.name)))
     }
 
-    /// The local path of the run history or of a `table_updated:` table. The plan refuses
-    /// object-store tables in those two places (`plan::jobs`), so this never gives the
-    /// empty path it would for one; anything else asks `location.local()`.
+    /// The local path of a file table that `table_updated:` watches. The plan refuses
+    /// object-store file tables there (`plan::jobs`), so this never gives the empty path it
+    /// would for one; anything else asks `location.local()`.
     pub(crate) fn local_dir(&self) -> &Path {
         self.location.local().unwrap_or(Path::new(""))
     }

@@ -128,6 +128,9 @@ pub(crate) struct SchedulerSpec {
     pub poll: Option<String>,
     /// On SIGTERM, how long a running stage may go on before it is canceled (default 60s).
     pub grace: Option<String>,
+    /// How long a running attempt's claim lasts unless its scheduler renews it (every
+    /// third of it); another scheduler recovers an attempt whose lease ran out (default 60s).
+    pub lease: Option<String>,
 }
 
 /// `optimize`: compacts a Delta table's small files (a `dataChange=false` commit).

@@ -1,7 +1,11 @@
-//! The run history: a Delta table with one row per event of a run attempt (its start, as
-//! RUNNING, then its end), appended, never rewritten. Starting an attempt claims its tick
-//! with a Delta app transaction in the same commit, so of two schedulers racing for one
-//! tick exactly one commit succeeds.
+//! The run history: a Delta table, on local disk or in an object store, with one row per
+//! event of a run attempt (its start as RUNNING, its lease renewals, then its end),
+//! appended, never rewritten. Starting an attempt claims its tick with a Delta app
+//! transaction in the same commit, so of two schedulers racing for one tick exactly one
+//! commit succeeds.
+//!
+//! A RUNNING row holds a lease (`lease_until`) that the process running the attempt renews;
+//! any scheduler may end an attempt whose lease ran out ([`holder`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,6 +18,7 @@ use chrono::{DateTime, Utc};
 use deltalake::DeltaTable;
 use deltalake::kernel::Transaction;
 use deltalake::kernel::transaction::CommitProperties;
+use deltalake::operations::write::SchemaMode;
 use deltalake::protocol::SaveMode;
 use serde::Serialize;
 
@@ -90,6 +95,9 @@ pub struct RunRecord {
     /// `host:pid` of the process that ran it.
     pub host: String,
     pub recorded_at: DateTime<Utc>,
+    /// A RUNNING row: until when its process holds the attempt, unless it renews the lease.
+    /// `None` in rows of older lakeml versions and in end rows.
+    pub lease_until: Option<DateTime<Utc>>,
 }
 
 impl RunRecord {
@@ -102,19 +110,36 @@ impl RunRecord {
             ended_at: Some(now),
             recorded_at: now,
             retry_at: None,
+            lease_until: None,
+            ..self.clone()
+        }
+    }
+
+    /// The same RUNNING attempt with its lease renewed for `lease` from now.
+    pub(crate) fn renewed(&self, lease: std::time::Duration) -> Self {
+        let now = Utc::now();
+        Self {
+            recorded_at: now,
+            lease_until: Some(now + lease),
             ..self.clone()
         }
     }
 }
 
-/// This process, as history rows name it.
+/// This process, as history rows name it: `host:pid`. `LAKEML_HOST` overrides the host
+/// name, for containers that share one and for tests.
 pub(crate) fn this_host() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
+    let host = std::env::var("LAKEML_HOST")
         .ok()
+        .filter(|h| !h.trim().is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .ok()
+        })
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "localhost".into());
-    format!("{host}:{}", std::process::id())
+    format!("{}:{}", host.trim(), std::process::id())
 }
 
 /// True when `host` (as [`this_host`] wrote it) is a process on this machine that is still
@@ -128,6 +153,34 @@ pub(crate) fn host_alive(host: &str) -> Option<bool> {
     }
     let pid: u32 = pid.parse().ok()?;
     Some(std::path::Path::new(&format!("/proc/{pid}")).exists())
+}
+
+/// Who holds an attempt whose latest row is RUNNING, as this process sees it at some time.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Holder {
+    /// This process, a live one of this machine, or one whose lease has not run out.
+    Alive,
+    /// A process of this machine that is gone.
+    Gone,
+    /// Another process, whose lease ran out at this time.
+    Expired(DateTime<Utc>),
+    /// A process of another machine, in a row without a lease (an older lakeml wrote it).
+    Unknown,
+}
+
+/// Who holds the RUNNING attempt `r` at `now`. A lease that ran out ends the claim of a
+/// live process too (it may hang, or its pid may be another's now): that process finds its
+/// attempt ended when it next renews, and stops its run.
+pub(crate) fn holder(r: &RunRecord, now: DateTime<Utc>) -> Holder {
+    if r.host == this_host() {
+        return Holder::Alive;
+    }
+    match (r.lease_until, host_alive(&r.host)) {
+        (_, Some(false)) => Holder::Gone,
+        (Some(until), _) if until < now => Holder::Expired(until),
+        (Some(_), _) | (None, Some(true)) => Holder::Alive,
+        (None, None) => Holder::Unknown,
+    }
 }
 
 /// The txn app id that claims a job's ticks of one trigger kind.
@@ -165,6 +218,7 @@ fn schema() -> SchemaRef {
         Field::new("input_versions", DataType::Utf8, true),
         Field::new("host", DataType::Utf8, false),
         Field::new("recorded_at", ts(), false),
+        Field::new("lease_until", ts(), true),
     ]))
 }
 
@@ -199,6 +253,7 @@ fn to_batch(records: &[RunRecord]) -> Result<RecordBatch> {
         text(&|r| json(&r.input_versions)),
         text(&|r| Some(r.host.clone())),
         time(&|r| Some(r.recorded_at)),
+        time(&|r| r.lease_until),
     ];
     RecordBatch::try_new(schema(), columns)
         .map_err(|e| Error::Internal(format!("building a run-history row: {e}")))
@@ -207,13 +262,19 @@ fn to_batch(records: &[RunRecord]) -> Result<RecordBatch> {
 fn from_batch(batch: &RecordBatch, out: &mut Vec<RunRecord>) -> Result<()> {
     let bad = |c: &str| Error::Data(format!("the run history's column `{c}` has the wrong type"));
     // The SQL engine reads strings as views; back to the types the rows were written with.
+    // A nullable column that an older lakeml's history lacks (`lease_until`) reads as null.
     let mut columns = Vec::new();
     for field in schema().fields() {
-        let column = batch
-            .column_by_name(field.name())
-            .ok_or_else(|| bad(field.name()))?;
-        columns
-            .push(arrow::compute::cast(column, field.data_type()).map_err(|_| bad(field.name()))?);
+        let column = match batch.column_by_name(field.name()) {
+            Some(column) => {
+                arrow::compute::cast(column, field.data_type()).map_err(|_| bad(field.name()))?
+            }
+            None if field.is_nullable() => {
+                arrow::array::new_null_array(field.data_type(), batch.num_rows())
+            }
+            None => return Err(bad(field.name())),
+        };
+        columns.push(column);
     }
     let batch = &RecordBatch::try_new(schema(), columns).map_err(|_| bad("*"))?;
     let text = |c: &str| {
@@ -241,12 +302,13 @@ fn from_batch(batch: &RecordBatch, out: &mut Vec<RunRecord>) -> Result<()> {
         text("input_versions")?,
         text("host")?,
     );
-    let (scheduled, started, ended, retry_at, recorded) = (
+    let (scheduled, started, ended, retry_at, recorded, lease) = (
         time("scheduled_for")?,
         time("started_at")?,
         time("ended_at")?,
         time("retry_at")?,
         time("recorded_at")?,
+        time("lease_until")?,
     );
     let tick = batch
         .column_by_name("tick")
@@ -288,6 +350,7 @@ fn from_batch(batch: &RecordBatch, out: &mut Vec<RunRecord>) -> Result<()> {
             input_versions: opt_json(inputs, i),
             host: host.value(i).to_string(),
             recorded_at: opt_time(recorded, i).unwrap_or_default(),
+            lease_until: opt_time(lease, i),
         });
     }
     Ok(())
@@ -310,13 +373,17 @@ pub(crate) struct History {
 impl History {
     /// Opens the table, creating it (empty) when missing.
     pub(crate) async fn open(&self) -> Result<DeltaTable> {
-        if catalog::has_delta_log(self.def.local_dir()) {
+        if self.def.delta_exists().await? {
             return self.def.open_delta(None).await;
         }
-        std::fs::create_dir_all(self.def.local_dir())
-            .map_err(|e| Error::io(format!("creating {}", self.def.location), e))?;
-        let fresh = deltalake::DeltaTableBuilder::from_url(self.def.url()?)
-            .and_then(|b| b.build())
+        if let Some(dir) = self.def.location.local() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        }
+        let fresh = self
+            .def
+            .delta_builder()?
+            .build()
             .map_err(|e| Error::delta(format!("table `{}`", self.def.name), e))?;
         let created = fresh
             .write(vec![RecordBatch::new_empty(schema())])
@@ -327,9 +394,7 @@ impl History {
         match created {
             Ok(table) => Ok(table),
             // Another scheduler created it a moment ago.
-            Err(_) if catalog::has_delta_log(self.def.local_dir()) => {
-                self.def.open_delta(None).await
-            }
+            Err(_) if self.def.delta_exists().await? => self.def.open_delta(None).await,
             Err(e) => Err(Error::delta(
                 format!("creating the run history `{}`", self.def.location),
                 e,
@@ -337,7 +402,8 @@ impl History {
         }
     }
 
-    /// Appends rows in one commit.
+    /// Appends rows in one commit. A history written by an older lakeml gets the columns
+    /// added since (schema merge), in the first commit that writes them.
     pub(crate) async fn append(&self, records: &[RunRecord]) -> Result<()> {
         if records.is_empty() {
             return Ok(());
@@ -346,6 +412,7 @@ impl History {
         table
             .write(vec![to_batch(records)?])
             .with_save_mode(SaveMode::Append)
+            .with_schema_mode(SchemaMode::Merge)
             .await
             .map_err(|e| Error::delta(format!("recording runs in `{}`", self.def.name), e))?;
         Ok(())
@@ -369,6 +436,7 @@ impl History {
             let committed = table
                 .write(vec![to_batch(std::slice::from_ref(start))?])
                 .with_save_mode(SaveMode::Append)
+                .with_schema_mode(SchemaMode::Merge)
                 .with_commit_properties(properties)
                 .await;
             match committed {
@@ -403,13 +471,18 @@ impl History {
 
     /// Every row, oldest first.
     pub(crate) async fn read(&self) -> Result<Vec<RunRecord>> {
-        if !catalog::has_delta_log(self.def.local_dir()) {
+        self.read_where("TRUE").await
+    }
+
+    /// The rows that hold `filter` (SQL), oldest first.
+    async fn read_where(&self, filter: &str) -> Result<Vec<RunRecord>> {
+        if !self.def.delta_exists().await? {
             return Ok(Vec::new());
         }
         let ctx = catalog::session();
         self.def.register(&ctx).await?;
         let sql = format!(
-            "SELECT * FROM \"{}\" ORDER BY recorded_at, attempt",
+            "SELECT * FROM \"{}\" WHERE {filter} ORDER BY recorded_at, attempt",
             self.def.name
         );
         let engine = |e| Error::engine("reading the run history", e);
@@ -430,6 +503,18 @@ impl History {
     /// Each attempt once, in its latest state, newest first.
     pub(crate) async fn attempts(&self) -> Result<Vec<RunRecord>> {
         Ok(latest_per_attempt(self.read().await?))
+    }
+
+    /// One attempt in its latest state (its rows only are read: file statistics prune the
+    /// rest).
+    pub(crate) async fn attempt(&self, run_id: &str, attempt: i32) -> Result<Option<RunRecord>> {
+        let filter = format!(
+            "run_id = '{}' AND attempt = {attempt}",
+            run_id.replace('\'', "''")
+        );
+        Ok(latest_per_attempt(self.read_where(&filter).await?)
+            .into_iter()
+            .next())
     }
 }
 
@@ -459,6 +544,7 @@ pub(crate) fn latest_per_attempt(rows: Vec<RunRecord>) -> Vec<RunRecord> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono::TimeDelta;
 
     fn record(run: &str, attempt: i32, state: RunState, at: i64) -> RunRecord {
         let t = DateTime::from_timestamp(at, 0).unwrap_or_default();
@@ -479,6 +565,7 @@ mod tests {
             input_versions: None,
             host: "h:1".into(),
             recorded_at: t,
+            lease_until: None,
         }
     }
 
@@ -495,6 +582,7 @@ mod tests {
         assert_eq!(back[1].reason.as_deref(), Some("exit 1"));
         assert_eq!(back[0].reports, rows[0].reports);
         assert_eq!(back[0].scheduled_for, rows[0].scheduled_for);
+        assert_eq!(back[0].lease_until, None);
     }
 
     #[test]
@@ -519,6 +607,75 @@ mod tests {
                 ("a", 1, RunState::Failed),
             ]
         );
+    }
+
+    #[test]
+    fn a_lease_that_ran_out_frees_the_attempt_and_rows_without_one_keep_the_pid_check() {
+        let now = Utc::now();
+        let me = this_host();
+        let (name, _) = me.rsplit_once(':').unwrap_or_default();
+        let running = |host: &str, lease: Option<i64>| RunRecord {
+            host: host.into(),
+            lease_until: lease.map(|s| now + TimeDelta::seconds(s)),
+            ..record("a", 1, RunState::Running, 100)
+        };
+        // This process's own attempts are never taken from it.
+        assert_eq!(holder(&running(&me, Some(-5)), now), Holder::Alive);
+        // A dead process of this machine: at once, lease or not.
+        let dead = format!("{name}:999999999");
+        assert_eq!(holder(&running(&dead, Some(60)), now), Holder::Gone);
+        assert_eq!(holder(&running(&dead, None), now), Holder::Gone);
+        // Another machine: its lease decides; without one, nobody can tell.
+        let expired = running("elsewhere:7", Some(-5));
+        assert_eq!(
+            holder(&expired, now),
+            Holder::Expired(now - TimeDelta::seconds(5))
+        );
+        assert_eq!(holder(&running("elsewhere:7", Some(5)), now), Holder::Alive);
+        assert_eq!(holder(&running("elsewhere:7", None), now), Holder::Unknown);
+        // A renewal moves the lease and the row's time; the end row holds no lease.
+        let renewed = expired.renewed(std::time::Duration::from_secs(30));
+        assert!(renewed.lease_until > Some(now) && renewed.recorded_at >= now);
+        assert_eq!(holder(&renewed, Utc::now()), Holder::Alive);
+        assert_eq!(renewed.ended(RunState::Failed, None).lease_until, None);
+    }
+
+    #[tokio::test]
+    async fn a_history_written_before_leases_is_read_and_gets_the_column_on_append() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("runs");
+        std::fs::create_dir_all(&path).expect("mkdir");
+        let def = TableDef {
+            name: "runs".into(),
+            kind: catalog::TableKind::Delta { at: None },
+            location: crate::storage::Location::Local(path),
+        };
+        // The old schema: every column but `lease_until`.
+        let old = to_batch(&[record("a", 1, RunState::Running, 100)]).expect("batch");
+        let old = old
+            .project(&(0..old.num_columns() - 1).collect::<Vec<_>>())
+            .expect("project");
+        def.delta_builder()
+            .expect("builder")
+            .build()
+            .expect("table")
+            .write(vec![old])
+            .await
+            .expect("old history");
+        let history = History {
+            def,
+            pipeline: "p".into(),
+        };
+        let rows = history.read().await.expect("read old");
+        assert_eq!((rows.len(), rows[0].lease_until), (1, None));
+        let mut leased = record("b", 1, RunState::Running, 200);
+        leased.lease_until = DateTime::from_timestamp(260, 0);
+        history.append(&[leased.clone()]).await.expect("append");
+        let rows = history.read().await.expect("read merged");
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1].lease_until, leased.lease_until);
+        let one = history.attempt("b", 1).await.expect("attempt");
+        assert_eq!(one.map(|r| r.run_id), Some("b".into()));
     }
 
     #[test]

@@ -146,54 +146,52 @@ impl Pipeline {
     pub async fn jobs_overview(&self) -> crate::Result<Vec<JobOverview>> {
         let attempts = self.history()?.attempts().await?;
         let now = chrono::Utc::now();
-        Ok(self
-            .jobs
-            .iter()
-            .map(|job| {
-                let mut next: Vec<_> = job
-                    .timings
-                    .iter()
-                    .flat_map(|t| t.upcoming(now, 5))
-                    .collect();
-                next.sort();
-                next.dedup();
-                next.truncate(5);
-                let mut triggers: Vec<String> = job.timings.iter().map(Timing::describe).collect();
-                let mut watched = Vec::new();
-                if let Some(w) = &job.watch {
-                    let names: Vec<&str> = w.tables.iter().map(|t| t.name.as_str()).collect();
-                    triggers.push(format!(
-                        "table_updated [{}] ({}, min_interval {}, quiet_for {})",
-                        names.join(", "),
-                        if w.wait_for == WaitFor::All {
-                            "all"
-                        } else {
-                            "any"
-                        },
-                        timing::human(w.min_interval),
-                        timing::human(w.quiet_for)
-                    ));
-                    for def in &w.tables {
-                        let seen = watch::TableWatch::new(def.clone());
-                        watched.push(WatchedTable {
-                            table: def.name.clone(),
-                            version: seen.version(),
-                            last_change: seen
-                                .last_change_ms()
-                                .and_then(chrono::DateTime::from_timestamp_millis),
-                        });
-                    }
+        let mut out = Vec::new();
+        for job in &self.jobs {
+            let mut next: Vec<_> = job
+                .timings
+                .iter()
+                .flat_map(|t| t.upcoming(now, 5))
+                .collect();
+            next.sort();
+            next.dedup();
+            next.truncate(5);
+            let mut triggers: Vec<String> = job.timings.iter().map(Timing::describe).collect();
+            let mut watched = Vec::new();
+            if let Some(w) = &job.watch {
+                let names: Vec<&str> = w.tables.iter().map(|t| t.name.as_str()).collect();
+                triggers.push(format!(
+                    "table_updated [{}] ({}, min_interval {}, quiet_for {})",
+                    names.join(", "),
+                    if w.wait_for == WaitFor::All {
+                        "all"
+                    } else {
+                        "any"
+                    },
+                    timing::human(w.min_interval),
+                    timing::human(w.quiet_for)
+                ));
+                for def in &w.tables {
+                    let seen = watch::TableWatch::new(def.clone()).await?;
+                    watched.push(WatchedTable {
+                        table: def.name.clone(),
+                        version: seen.version(),
+                        last_change: seen
+                            .last_change_ms()
+                            .and_then(chrono::DateTime::from_timestamp_millis),
+                    });
                 }
-                JobOverview {
-                    name: job.name.clone(),
-                    stages: job.stages.clone(),
-                    triggers,
-                    next,
-                    watched,
-                    last_run: attempts.iter().find(|r| r.job == job.name).cloned(),
-                }
-            })
-            .collect())
+            }
+            out.push(JobOverview {
+                name: job.name.clone(),
+                stages: job.stages.clone(),
+                triggers,
+                next,
+                watched,
+                last_run: attempts.iter().find(|r| r.job == job.name).cloned(),
+            });
+        }
+        Ok(out)
     }
 
     /// `pipeline runs`: attempts in their latest state, newest first.

@@ -1,8 +1,9 @@
-//! One attempt of a job: its stages in a child `pipeline run`, which a timeout or a
-//! shutdown can stop (SIGTERM, then SIGKILL). A stage commits its table in one Delta commit
-//! or not at all, so a stopped attempt leaves the stage it was in at its last version.
+//! One attempt of a job: its stages in a child `pipeline run`, which a timeout, a shutdown
+//! or a lost lease can stop (SIGTERM, then SIGKILL). A stage commits its table in one Delta
+//! commit or not at all, so a stopped attempt leaves the stage it was in at its last version.
+//! While the child runs, its attempt's lease in the run history is renewed.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -13,10 +14,13 @@ use tokio::sync::watch;
 
 use super::history::{Claim, History, RunRecord, RunState, this_host};
 use super::timing;
+use sha2::{Digest, Sha256};
+
 use crate::catalog::TableDef;
 use crate::error::{Error, Result};
 use crate::plan::Pipeline;
 use crate::plan::{Job, Retries};
+use crate::storage::Location;
 
 /// How long a stopped child gets between SIGTERM and SIGKILL.
 const KILL_AFTER: Duration = Duration::from_secs(10);
@@ -36,10 +40,18 @@ pub(crate) struct JobRun {
     pub history: History,
     /// The pipeline's Delta tables, whose versions each attempt records.
     pub tables: Vec<TableDef>,
+    /// How long the attempt's claim lasts; renewed every third of it.
+    pub lease: Duration,
 }
 
 impl JobRun {
-    pub(crate) fn new(pipeline: &Pipeline, job: &Job, history: History) -> Self {
+    pub(crate) fn new(pipeline: &Pipeline, job: &Job, history: History, lease: Duration) -> Self {
+        let tables = pipeline
+            .tables
+            .values()
+            .filter(|t| t.is_delta() && t.name != history.def.name)
+            .cloned()
+            .collect();
         Self {
             file: pipeline.file.clone(),
             job: job.name.clone(),
@@ -48,32 +60,22 @@ impl JobRun {
             retries: job.retries,
             on_failure: job.on_failure.clone(),
             history,
-            tables: pipeline
-                .tables
-                .values()
-                .filter(|t| t.is_delta() && t.name != crate::plan::DEFAULT_HISTORY)
-                .cloned()
-                .collect(),
+            tables,
+            lease,
         }
     }
 
-    /// The RUNNING row that starts (and claims) an attempt.
-    pub(crate) fn start_record(&self, firing: &Firing) -> RunRecord {
-        let now = Utc::now();
+    /// The RUNNING row that starts (and claims) an attempt, with each Delta table's
+    /// version (in an object store: a GET of `_last_checkpoint` and one listing after it).
+    pub(crate) async fn start_record(&self, firing: &Firing) -> RunRecord {
+        let found = futures::future::join_all(self.tables.iter().map(super::watch::delta_version));
         let versions: serde_json::Map<String, Value> = self
             .tables
             .iter()
-            .map(|t| {
-                // Versions of object-store tables are not recorded yet (the watches that
-                // would read them are local only).
-                let v = t
-                    .location
-                    .local()
-                    .and_then(super::watch::latest_version)
-                    .map_or(Value::Null, Value::from);
-                (t.name.clone(), v)
-            })
+            .zip(found.await)
+            .map(|(t, v)| (t.name.clone(), v.map_or(Value::Null, Value::from)))
             .collect();
+        let now = Utc::now();
         RunRecord {
             run_id: firing.run_id.clone(),
             job: self.job.clone(),
@@ -91,6 +93,7 @@ impl JobRun {
             input_versions: Some(Value::Object(versions)),
             host: this_host(),
             recorded_at: now,
+            lease_until: Some(now + self.lease),
         }
     }
 }
@@ -132,6 +135,8 @@ struct Ended {
     reports: Option<Value>,
     /// The pipeline file itself is bad (exit 2): retrying cannot help.
     usage: bool,
+    /// Another process recorded the attempt's end (its lease ran out): nothing to record.
+    ended_elsewhere: bool,
 }
 
 /// Runs one attempt whose start is already recorded; records its end (with the time of its
@@ -145,6 +150,9 @@ pub(crate) async fn attempt(
     let mut end = start.ended(ended.state, ended.reason);
     end.error = ended.error;
     end.reports = ended.reports;
+    if ended.ended_elsewhere {
+        return end;
+    }
     let retryable = matches!(end.state, RunState::Failed | RunState::TimedOut) && !ended.usage;
     if retryable && end.attempt <= run.retries.max as i32 {
         let jitter = (uuid::Uuid::new_v4().as_u128() % 1_000_000) as f64 / 1e6;
@@ -235,20 +243,32 @@ async fn execute(run: &JobRun, start: &RunRecord, cancel: &mut watch::Receiver<b
     };
     let stopped = tokio::select! {
         status = child.wait() => Ok(status),
-        () = deadline => Err(RunState::TimedOut),
-        _ = cancel.wait_for(|c| *c) => Err(RunState::Canceled),
+        () = deadline => Err(Stop::TimedOut),
+        _ = cancel.wait_for(|c| *c) => Err(Stop::Canceled),
+        other = keep_lease(run, start) => Err(Stop::LostLease(Box::new(other))),
     };
     let status = match stopped {
         Ok(status) => status,
-        Err(state) => {
+        Err(stop) => {
             terminate(&mut child).await;
             let tail = err_reader.await.unwrap_or_default();
-            let reason = match state {
-                RunState::TimedOut => format!(
-                    "timed out after {}",
-                    timing::human(run.timeout.unwrap_or_default())
+            let (state, reason) = match &stop {
+                Stop::TimedOut => (
+                    RunState::TimedOut,
+                    format!(
+                        "timed out after {}",
+                        timing::human(run.timeout.unwrap_or_default())
+                    ),
                 ),
-                _ => "canceled: the scheduler stopped".into(),
+                Stop::Canceled => (RunState::Canceled, "canceled: the scheduler stopped".into()),
+                Stop::LostLease(other) => (
+                    RunState::Canceled,
+                    format!(
+                        "canceled: its lease was lost; {} recorded it {}",
+                        other.host,
+                        other.state.as_str()
+                    ),
+                ),
             };
             return Ended {
                 state,
@@ -256,6 +276,7 @@ async fn execute(run: &JobRun, start: &RunRecord, cancel: &mut watch::Receiver<b
                 error: error_of(&tail),
                 reports: None,
                 usage: false,
+                ended_elsewhere: matches!(stop, Stop::LostLease(_)),
             };
         }
     };
@@ -272,6 +293,7 @@ async fn execute(run: &JobRun, start: &RunRecord, cancel: &mut watch::Receiver<b
             error: None,
             reports: Some(Value::Array(reports)),
             usage: false,
+            ended_elsewhere: false,
         },
         Ok(s) => {
             let reason = match s.code() {
@@ -285,6 +307,7 @@ async fn execute(run: &JobRun, start: &RunRecord, cancel: &mut watch::Receiver<b
                 error: error_of(&tail),
                 reports: (!reports.is_empty()).then_some(Value::Array(reports)),
                 usage: s.code() == Some(2),
+                ended_elsewhere: false,
             }
         }
         Err(e) => failed(format!("waiting for `pipeline run`: {e}"), false),
@@ -298,6 +321,61 @@ fn failed(error: String, usage: bool) -> Ended {
         error: Some(error),
         reports: None,
         usage,
+        ended_elsewhere: false,
+    }
+}
+
+/// Why a running child was stopped.
+enum Stop {
+    TimedOut,
+    Canceled,
+    /// Another process recorded the attempt's end: this row.
+    LostLease(Box<RunRecord>),
+}
+
+/// Renews the attempt's lease every third of it, for as long as it is polled; returns the
+/// row another process ended the attempt with, once one has (this process lost the lease,
+/// and a scheduler that recovered the attempt may be running its retry).
+async fn keep_lease(run: &JobRun, start: &RunRecord) -> RunRecord {
+    let mut every = tokio::time::interval(run.lease / 3);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await; // the first tick is now, when the start row holds a fresh lease
+    loop {
+        every.tick().await;
+        let error = |e: Error| {
+            log(
+                &run.job,
+                "history-error",
+                &format!(
+                    "run={} attempt={} reason=\"renewing the lease\" error={:?}",
+                    short(&start.run_id),
+                    start.attempt,
+                    e.to_string()
+                ),
+            );
+        };
+        match run.history.attempt(&start.run_id, start.attempt).await {
+            Ok(Some(latest)) if latest.state != RunState::Running => {
+                log(
+                    &run.job,
+                    "lease-lost",
+                    &format!(
+                        "run={} attempt={} by={} state={} reason=\"stopping the run\"",
+                        short(&start.run_id),
+                        start.attempt,
+                        latest.host,
+                        latest.state.as_str()
+                    ),
+                );
+                return latest;
+            }
+            Ok(_) => {}
+            Err(e) => error(e),
+        }
+        let renewal = start.renewed(run.lease);
+        if let Err(e) = run.history.append(std::slice::from_ref(&renewal)).await {
+            error(e);
+        }
     }
 }
 
@@ -423,9 +501,9 @@ impl Pipeline {
             def: settings.history.clone(),
             pipeline: self.name.clone(),
         };
-        let run = JobRun::new(self, job, history.clone());
+        let run = JobRun::new(self, job, history.clone(), settings.lease);
         let firing = Firing::new("manual", Utc::now());
-        let start = run.start_record(&firing);
+        let start = run.start_record(&firing).await;
         if history.claim(&start).await? == Claim::Taken {
             return Err(Error::Data(format!(
                 "job `{}`: another process claimed this manual run's tick; try again",
@@ -471,11 +549,22 @@ pub(crate) async fn shutdown_signal() {
     }
 }
 
-/// The file a job's scheduler locks, next to its run history.
-pub(crate) fn lock_path(history: &Path) -> PathBuf {
-    let name = history
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "lakeml_runs".into());
-    history.with_file_name(format!(".{name}.scheduler.lock"))
+/// The file a job's scheduler locks: next to a local run history; for one in an object
+/// store, in the cache (`$LAKEML_CACHE/locks`), named by a hash of the history's URL.
+pub(crate) fn lock_path(history: &TableDef) -> PathBuf {
+    match &history.location {
+        Location::Local(path) => {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "lakeml_runs".into());
+            path.with_file_name(format!(".{name}.scheduler.lock"))
+        }
+        Location::Remote(r) => {
+            let hash = Sha256::digest(r.url().as_str().trim_end_matches('/').as_bytes());
+            crate::storage::cache_root()
+                .join("locks")
+                .join(format!("{}.scheduler.lock", hex::encode(&hash[..8])))
+        }
+    }
 }

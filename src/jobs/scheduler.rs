@@ -1,8 +1,10 @@
 //! `pipeline schedule`: the scheduler loop, in the foreground until SIGTERM or SIGINT.
 //!
 //! Every second it looks for due cron and interval ticks; every `scheduler.poll` it reads
-//! what is new in the watched tables. A firing is claimed in the run history before its run
-//! starts; runs are child processes, so the loop never waits on one.
+//! what is new in the watched tables; every third of `scheduler.lease` it looks in the run
+//! history for attempts whose holder is gone or let its lease run out. A firing is claimed
+//! in the run history before its run starts; runs are child processes, so the loop never
+//! waits on one.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -13,7 +15,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, TimeDelta, Utc};
 use tokio::sync::{mpsc, watch};
 
-use super::history::{Claim, History, RunRecord, RunState, host_alive};
+use super::history::{Claim, History, Holder, RunRecord, RunState, holder};
 use super::runner::{self, Firing, JobRun, log};
 use super::timing;
 use super::watch::TableWatch;
@@ -50,7 +52,7 @@ struct Lock {
 }
 
 fn lock(settings: &SchedulerSettings, pipeline: &Pipeline) -> Result<Lock> {
-    let path = runner::lock_path(settings.history.local_dir());
+    let path = runner::lock_path(&settings.history);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
@@ -144,7 +146,7 @@ impl Pipeline {
                     let i = match watches.iter().position(|x| x.def.name == def.name) {
                         Some(i) => i,
                         None => {
-                            watches.push(TableWatch::new(def.clone()));
+                            watches.push(TableWatch::new(def.clone()).await?);
                             watches.len() - 1
                         }
                     };
@@ -169,7 +171,7 @@ impl Pipeline {
                 .filter_map(|r| r.started_at)
                 .max();
             states.push(JobState {
-                run: Arc::new(JobRun::new(self, job, history.clone())),
+                run: Arc::new(JobRun::new(self, job, history.clone(), settings.lease)),
                 cursors,
                 watch_cursor,
                 watches: indexes,
@@ -179,7 +181,7 @@ impl Pipeline {
                 retry: None,
             });
         }
-        recover(&self.jobs, &mut states, &history, &attempts).await?;
+        recover(&self.jobs, &mut states, &history, &attempts, true).await?;
 
         for (job, state) in self.jobs.iter().zip(&states) {
             let mut triggers: Vec<String> = job.timings.iter().map(Timing::describe).collect();
@@ -220,10 +222,12 @@ impl Pipeline {
             "-",
             "started",
             &format!(
-                "pid={} history={} poll={} watched_tables={}",
+                "pid={} host={} history={} poll={} lease={} watched_tables={}",
                 std::process::id(),
+                super::history::this_host(),
                 history.def.location,
                 timing::human(settings.poll),
+                timing::human(settings.lease),
                 watches.len()
             ),
         );
@@ -236,6 +240,7 @@ impl Pipeline {
         let mut second = tokio::time::interval(step);
         second.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut last_poll = Instant::now() - settings.poll;
+        let mut last_lease_check = Instant::now();
         let mut stats = PollStats::default();
         let on_time = (settings.poll * 2).max(Duration::from_secs(60));
         let mut ctx = Ctx {
@@ -292,12 +297,40 @@ impl Pipeline {
                     }
                 }
             }
+            // Attempts another scheduler left RUNNING: recovered once their lease ran out.
+            if last_lease_check.elapsed() >= settings.lease / 3 {
+                last_lease_check = Instant::now();
+                let recovered = match history.attempts().await {
+                    Ok(attempts) => {
+                        recover(&self.jobs, &mut states, &history, &attempts, false).await
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = recovered {
+                    log(
+                        "-",
+                        "history-error",
+                        &format!(
+                            "reason=\"looking for expired leases\" error={:?}",
+                            e.to_string()
+                        ),
+                    );
+                }
+            }
             // Half a step of slack, so a 1 s poll is not pushed to every other second.
             if last_poll.elapsed() + step / 2 >= settings.poll && !watches.is_empty() {
                 last_poll = Instant::now();
                 let began = Instant::now();
-                for w in &mut watches {
-                    w.poll();
+                // Each table's poll is one request in an object store; all at once.
+                let polled = futures::future::join_all(watches.iter_mut().map(|w| w.poll())).await;
+                for (w, result) in watches.iter().zip(polled) {
+                    if let Err(e) = result {
+                        log(
+                            "-",
+                            "watch-error",
+                            &format!("table={} error={e:?}", w.def.name),
+                        );
+                    }
                 }
                 stats
                     .micros
@@ -401,8 +434,9 @@ async fn fire(i: usize, job: &Job, state: &mut JobState, firing: Firing, ctx: &m
             state.queued = Some(firing);
         }
         Overlap::Skip => {
-            let mut skipped = state.run.start_record(&firing);
+            let mut skipped = state.run.start_record(&firing).await;
             skipped.state = RunState::Skipped;
+            skipped.lease_until = None;
             skipped.reason = Some("the previous run is not done (overlap: skip)".into());
             skipped.started_at = None;
             log(
@@ -427,7 +461,7 @@ async fn fire(i: usize, job: &Job, state: &mut JobState, firing: Firing, ctx: &m
 
 /// Claims an attempt in the history and starts it on its own task.
 async fn start(i: usize, job: &Job, state: &mut JobState, firing: Firing, ctx: &mut Ctx<'_>) {
-    let record = state.run.start_record(&firing);
+    let record = state.run.start_record(&firing).await;
     match ctx.history.claim(&record).await {
         Ok(Claim::Won) => {}
         Ok(Claim::Taken) => {
@@ -504,13 +538,16 @@ async fn finished(jobs: &[Job], states: &mut [JobState], f: Finished, ctx: &mut 
     }
 }
 
-/// After a restart: attempts left RUNNING by a process that is gone are recorded as
-/// interrupted failures, and retried when their policy allows; planned retries are kept.
+/// Attempts left RUNNING by a process that is gone, or whose lease ran out, are recorded as
+/// interrupted failures and retried when their policy allows (the retry's claim makes it run
+/// once, however many schedulers recover the attempt). At start (`starting`), planned
+/// retries are picked up too, and attempts left as they are get a log line.
 async fn recover(
     jobs: &[Job],
     states: &mut [JobState],
     history: &History,
     attempts: &[RunRecord],
+    starting: bool,
 ) -> Result<()> {
     // The newest attempt of each run decides.
     let mut newest: BTreeMap<&str, &RunRecord> = BTreeMap::new();
@@ -537,52 +574,58 @@ async fn recover(
             tick: r.tick,
             attempt: r.attempt,
         };
-        match r.state {
-            RunState::Running => match host_alive(&r.host) {
-                Some(false) => {
-                    let mut end = r.ended(
-                        RunState::Failed,
-                        Some(format!(
-                            "interrupted: the process that ran it ({}) is gone",
-                            r.host
-                        )),
-                    );
-                    if r.attempt <= job.retries.max as i32 && r.trigger != "manual" {
-                        let at = Utc::now()
-                            + timing::backoff(
-                                job.retries.backoff,
-                                job.retries.max_backoff,
-                                r.attempt.unsigned_abs(),
-                                0.5,
-                            );
-                        end.retry_at = Some(at);
-                        states[i].retry = Some((firing.retry(), at));
-                    }
-                    log(&job.name, "interrupted", &runner::describe(&end));
-                    rows.push(end);
-                }
-                Some(true) => {
+        if r.state != RunState::Running {
+            if starting && let Some(at) = r.retry_at {
+                states[i].retry = Some((firing.retry(), at));
+            }
+            continue;
+        }
+        let reason = match holder(r, Utc::now()) {
+            Holder::Gone => format!("interrupted: the process that ran it ({}) is gone", r.host),
+            Holder::Expired(at) => format!(
+                "interrupted: the lease of {} expired at {}",
+                r.host,
+                at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+            ),
+            Holder::Alive => {
+                if starting {
                     log(
                         &job.name,
                         "still-running",
                         &format!("run={} host={}", r.run_id, r.host),
                     );
                 }
-                None => log(
-                    &job.name,
-                    "unknown",
-                    &format!(
-                        "run={} reason=\"RUNNING on another machine ({}); left as it is\"",
-                        r.run_id, r.host
-                    ),
-                ),
-            },
-            _ => {
-                if let Some(at) = r.retry_at {
-                    states[i].retry = Some((firing.retry(), at));
-                }
+                continue;
             }
+            Holder::Unknown => {
+                if starting {
+                    log(
+                        &job.name,
+                        "unknown",
+                        &format!(
+                            "run={} reason=\"RUNNING on another machine ({}), in a row \
+                             without a lease; left as it is\"",
+                            r.run_id, r.host
+                        ),
+                    );
+                }
+                continue;
+            }
+        };
+        let mut end = r.ended(RunState::Failed, Some(reason));
+        if r.attempt <= job.retries.max as i32 && r.trigger != "manual" {
+            let at = Utc::now()
+                + timing::backoff(
+                    job.retries.backoff,
+                    job.retries.max_backoff,
+                    r.attempt.unsigned_abs(),
+                    0.5,
+                );
+            end.retry_at = Some(at);
+            states[i].retry = Some((firing.retry(), at));
         }
+        log(&job.name, "interrupted", &runner::describe(&end));
+        rows.push(end);
     }
     history.append(&rows).await
 }

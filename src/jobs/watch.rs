@@ -1,24 +1,30 @@
 //! `table_updated`: when each watched table last got new data.
 //!
-//! A Delta table is followed through its log: a poll checks whether the next commit file
-//! exists and reads only the commits it has not seen. A commit changes data when one of its
-//! `add`, `remove` or `cdc` actions says `dataChange: true`; a compaction (`optimize`,
-//! `dataChange: false`) does not. Parquet directories and CSV/JSON files change when a file
-//! appears, disappears, or changes size or modification time.
+//! A Delta table, on local disk or in an object store, is followed through its log: a poll
+//! asks for the next commit file only (one GET in an object store, never a listing; a
+//! missing file means nothing new) and reads only the commits it has not seen. A commit
+//! changes data when one of its `add`, `remove` or `cdc` actions says `dataChange: true`; a
+//! compaction (`optimize`, `dataChange: false`) does not. Local Parquet directories and
+//! CSV/JSON files change when a file appears, disappears, or changes size or modification
+//! time.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
+use futures::TryStreamExt;
+use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::Value;
 
 use crate::catalog::{self, TableDef};
+use crate::error::{Error, Result};
+use crate::storage::{Location, Remote};
 
 /// How far back the first look at a Delta log searches for its newest data change.
 const FIRST_LOOK_COMMITS: u64 = 1000;
 
 /// One watched table.
-#[derive(Debug)]
 pub(crate) struct TableWatch {
     pub def: TableDef,
     state: State,
@@ -26,10 +32,26 @@ pub(crate) struct TableWatch {
     last_change_ms: Option<i64>,
 }
 
-#[derive(Debug)]
 enum State {
-    Delta { version: Option<u64> },
-    Files { seen: BTreeMap<PathBuf, (u64, i64)> },
+    /// `version`: the newest commit read; `None` before the table exists.
+    Delta {
+        log: DeltaLog,
+        version: Option<u64>,
+    },
+    Files {
+        seen: BTreeMap<PathBuf, (u64, i64)>,
+    },
+}
+
+/// Where a Delta table's log is.
+enum DeltaLog {
+    Local(PathBuf),
+    Remote {
+        remote: Remote,
+        store: Arc<dyn ObjectStore>,
+        /// The `_delta_log` prefix in the bucket.
+        dir: object_store::path::Path,
+    },
 }
 
 fn log_file(table: &Path, version: u64) -> PathBuf {
@@ -43,27 +65,30 @@ fn mtime_ms(meta: &std::fs::Metadata) -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// The newest commit number in a Delta log (one directory listing), if any.
-pub(crate) fn latest_version(table: &Path) -> Option<u64> {
+/// The commit number a `_delta_log` entry's name holds, if it is a commit file.
+fn commit_number(name: &str) -> Option<u64> {
+    let stem = name.strip_suffix(".json")?;
+    (stem.len() == 20).then(|| stem.parse().ok()).flatten()
+}
+
+/// The newest commit number of a Delta table, local or in an object store; `None` when it
+/// does not exist or cannot be read.
+pub(crate) async fn delta_version(def: &TableDef) -> Option<u64> {
+    DeltaLog::of(def).ok()?.latest_version().await.ok()?
+}
+
+/// The newest commit number in a local Delta log (one directory listing), if any.
+fn latest_version(table: &Path) -> Option<u64> {
     std::fs::read_dir(table.join("_delta_log"))
         .ok()?
         .flatten()
-        .filter_map(|e| {
-            let name = e.file_name();
-            let name = name.to_str()?;
-            let stem = name.strip_suffix(".json")?;
-            (stem.len() == 20)
-                .then(|| stem.parse::<u64>().ok())
-                .flatten()
-        })
+        .filter_map(|e| commit_number(e.file_name().to_str()?))
         .max()
 }
 
-/// Whether commit `version` changed data, and when it was made (ms); `None` when the
-/// commit file is missing or unreadable.
-fn read_commit(table: &Path, version: u64) -> Option<(bool, i64)> {
-    let path = log_file(table, version);
-    let text = std::fs::read_to_string(&path).ok()?;
+/// Whether a commit's actions changed data, and when it was made (ms): its `commitInfo`
+/// timestamp, else `fallback_ms` (the file's modification time).
+fn parse_commit(text: &str, fallback_ms: i64) -> (bool, i64) {
     let mut changed = false;
     let mut at = None;
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
@@ -84,8 +109,84 @@ fn read_commit(table: &Path, version: u64) -> Option<(bool, i64)> {
             at = Some(ts);
         }
     }
-    let at = at.or_else(|| std::fs::metadata(&path).ok().map(|m| mtime_ms(&m)))?;
-    Some((changed, at))
+    (changed, at.unwrap_or(fallback_ms))
+}
+
+impl DeltaLog {
+    fn of(def: &TableDef) -> Result<Self> {
+        match &def.location {
+            Location::Local(path) => Ok(Self::Local(path.clone())),
+            Location::Remote(r) => {
+                let fail = |m: String| Error::Data(format!("table `{}`: {m}", def.name));
+                Ok(Self::Remote {
+                    store: r.store().map_err(fail)?,
+                    dir: r.key().map_err(fail)?.join("_delta_log"),
+                    remote: r.clone(),
+                })
+            }
+        }
+    }
+
+    /// The newest commit number: one listing (in an object store, of the entries after the
+    /// last checkpoint, which `_last_checkpoint` names).
+    async fn latest_version(&self) -> Result<Option<u64>, String> {
+        let (remote, store, dir) = match self {
+            Self::Local(path) => return Ok(latest_version(path)),
+            Self::Remote { remote, store, dir } => (remote, store, dir),
+        };
+        let explain = |e: object_store::Error| crate::storage::explain(remote, &e);
+        let checkpoint = match store.get(&dir.clone().join("_last_checkpoint")).await {
+            Ok(got) => {
+                let bytes = got.bytes().await.map_err(explain)?;
+                serde_json::from_slice::<Value>(&bytes)
+                    .ok()
+                    .and_then(|v| v.get("version")?.as_u64())
+            }
+            Err(object_store::Error::NotFound { .. }) => None,
+            Err(e) => return Err(explain(e)),
+        };
+        let listing = match checkpoint {
+            Some(v) => store.list_with_offset(Some(dir), &dir.clone().join(format!("{v:020}"))),
+            None => store.list(Some(dir)),
+        };
+        let entries: Vec<object_store::ObjectMeta> =
+            listing.try_collect().await.map_err(explain)?;
+        let listed = entries
+            .iter()
+            .filter_map(|m| commit_number(m.location.filename()?))
+            .max();
+        Ok(listed.max(checkpoint))
+    }
+
+    /// Whether commit `version` changed data, and when it was made (ms); `None` when the
+    /// commit file is not there (one GET in an object store).
+    async fn read_commit(&self, version: u64) -> Result<Option<(bool, i64)>, String> {
+        match self {
+            Self::Local(table) => {
+                let path = log_file(table, version);
+                let Ok(text) = std::fs::read_to_string(&path) else {
+                    return Ok(None);
+                };
+                let mtime = std::fs::metadata(&path).map_or(0, |m| mtime_ms(&m));
+                Ok(Some(parse_commit(&text, mtime)))
+            }
+            Self::Remote { remote, store, dir } => {
+                let explain = |e: object_store::Error| crate::storage::explain(remote, &e);
+                match store
+                    .get(&dir.clone().join(format!("{version:020}.json")))
+                    .await
+                {
+                    Ok(got) => {
+                        let mtime = got.meta.last_modified.timestamp_millis();
+                        let bytes = got.bytes().await.map_err(explain)?;
+                        Ok(Some(parse_commit(&String::from_utf8_lossy(&bytes), mtime)))
+                    }
+                    Err(object_store::Error::NotFound { .. }) => Ok(None),
+                    Err(e) => Err(explain(e)),
+                }
+            }
+        }
+    }
 }
 
 fn file_state(path: &Path) -> BTreeMap<PathBuf, (u64, i64)> {
@@ -100,65 +201,55 @@ fn file_state(path: &Path) -> BTreeMap<PathBuf, (u64, i64)> {
 }
 
 impl TableWatch {
-    /// Looks at the table once: its newest data change so far.
-    pub(crate) fn new(def: TableDef) -> Self {
-        if def.is_delta() {
-            let version = latest_version(def.local_dir());
-            let mut last_change_ms = None;
-            if let Some(newest) = version {
-                let oldest = newest.saturating_sub(FIRST_LOOK_COMMITS);
-                for v in (oldest..=newest).rev() {
-                    match read_commit(def.local_dir(), v) {
-                        Some((true, at)) => {
-                            last_change_ms = Some(at);
-                            break;
-                        }
-                        Some((false, _)) => {}
-                        None => break, // cleaned up behind a checkpoint
-                    }
-                }
-            }
-            Self {
-                def,
-                state: State::Delta { version },
-                last_change_ms,
-            }
-        } else {
+    /// Looks at the table once: its newest data change so far (one listing of a Delta log,
+    /// then its newest commits until one changed data).
+    pub(crate) async fn new(def: TableDef) -> Result<Self> {
+        if !def.is_delta() {
+            // The plan watches file tables on local disk only.
             let seen = file_state(def.local_dir());
             let last_change_ms = seen.values().map(|(_, m)| *m).max();
-            Self {
+            return Ok(Self {
                 def,
                 state: State::Files { seen },
                 last_change_ms,
-            }
+            });
         }
-    }
-
-    /// Reads what is new since the last poll.
-    pub(crate) fn poll(&mut self) {
-        match &mut self.state {
-            State::Delta { version } => {
-                if version.is_none() {
-                    // Not created yet: one listing until it is.
-                    *version = latest_version(self.def.local_dir());
-                    if let Some(v) = *version {
-                        for past in 0..=v {
-                            if let Some((true, at)) = read_commit(self.def.local_dir(), past) {
-                                self.last_change_ms = self.last_change_ms.max(Some(at));
-                            }
-                        }
-                    }
-                    return;
-                }
-                while let Some(current) = *version {
-                    let next = current + 1;
-                    if !log_file(self.def.local_dir(), next).exists() {
+        let log = DeltaLog::of(&def)?;
+        let fail = |m: String| Error::Data(format!("table `{}`: watching its log: {m}", def.name));
+        let version = log.latest_version().await.map_err(fail)?;
+        let mut last_change_ms = None;
+        if let Some(newest) = version {
+            let oldest = newest.saturating_sub(FIRST_LOOK_COMMITS);
+            for v in (oldest..=newest).rev() {
+                match log.read_commit(v).await.map_err(fail)? {
+                    Some((true, at)) => {
+                        last_change_ms = Some(at);
                         break;
                     }
-                    if let Some((true, at)) = read_commit(self.def.local_dir(), next) {
+                    Some((false, _)) => {}
+                    None => break, // cleaned up behind a checkpoint
+                }
+            }
+        }
+        Ok(Self {
+            def,
+            state: State::Delta { log, version },
+            last_change_ms,
+        })
+    }
+
+    /// Reads what is new since the last poll: for a Delta table, the commits after the one
+    /// read last (from the first, before the table exists), until one is not there.
+    pub(crate) async fn poll(&mut self) -> Result<(), String> {
+        match &mut self.state {
+            State::Delta { log, version } => {
+                let mut next = version.map_or(0, |v| v + 1);
+                while let Some((changed, at)) = log.read_commit(next).await? {
+                    if changed {
                         self.last_change_ms = self.last_change_ms.max(Some(at));
                     }
                     *version = Some(next);
+                    next += 1;
                 }
             }
             State::Files { seen } => {
@@ -177,6 +268,7 @@ impl TableWatch {
                 }
             }
         }
+        Ok(())
     }
 
     pub(crate) fn last_change_ms(&self) -> Option<i64> {
@@ -186,7 +278,7 @@ impl TableWatch {
     /// The Delta version seen last (`None` for file tables or a table not created yet).
     pub(crate) fn version(&self) -> Option<u64> {
         match self.state {
-            State::Delta { version } => version,
+            State::Delta { version, .. } => version,
             State::Files { .. } => None,
         }
     }
@@ -211,8 +303,8 @@ mod tests {
         serde_json::json!({"commitInfo": {"timestamp": ts}})
     }
 
-    #[test]
-    fn data_commits_count_and_compactions_do_not() {
+    #[tokio::test]
+    async fn data_commits_count_and_compactions_do_not() {
         let dir = tempfile::tempdir().expect("tempdir");
         let t = dir.path().join("t");
         commit(&t, 0, &[info(1_000), add(true)]);
@@ -221,7 +313,7 @@ mod tests {
             kind: TableKind::Delta { at: None },
             location: crate::storage::Location::Local(t.clone()),
         };
-        let mut w = TableWatch::new(def);
+        let mut w = TableWatch::new(def).await.expect("watch");
         assert_eq!((w.version(), w.last_change_ms()), (Some(0), Some(1_000)));
         // An optimize: removes and adds with dataChange=false.
         commit(
@@ -233,21 +325,21 @@ mod tests {
                 add(false),
             ],
         );
-        w.poll();
+        w.poll().await.expect("poll");
         assert_eq!((w.version(), w.last_change_ms()), (Some(1), Some(1_000)));
         // Two appends land between polls: both are read, the newest counts.
         commit(&t, 2, &[info(3_000), add(true)]);
         commit(&t, 3, &[info(4_000), add(true)]);
-        w.poll();
+        w.poll().await.expect("poll");
         assert_eq!((w.version(), w.last_change_ms()), (Some(3), Some(4_000)));
         // A fresh look behind a compaction finds the last data change.
         commit(&t, 4, &[info(5_000), add(false)]);
-        let fresh = TableWatch::new(w.def.clone());
+        let fresh = TableWatch::new(w.def.clone()).await.expect("watch");
         assert_eq!(fresh.last_change_ms(), Some(4_000));
     }
 
-    #[test]
-    fn file_tables_change_with_new_or_rewritten_files() {
+    #[tokio::test]
+    async fn file_tables_change_with_new_or_rewritten_files() {
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path().join("pq");
         std::fs::create_dir_all(&d).expect("mkdir");
@@ -257,10 +349,10 @@ mod tests {
             kind: TableKind::Parquet,
             location: crate::storage::Location::Local(d.clone()),
         };
-        let mut w = TableWatch::new(def);
+        let mut w = TableWatch::new(def).await.expect("watch");
         let first = w.last_change_ms();
         assert!(first.is_some());
-        w.poll();
+        w.poll().await.expect("poll");
         assert_eq!(w.last_change_ms(), first, "nothing new");
         std::fs::write(d.join("b.parquet"), b"yy").expect("write");
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
@@ -269,7 +361,7 @@ mod tests {
             .open(d.join("b.parquet"))
             .and_then(|f| f.set_modified(later))
             .expect("touch");
-        w.poll();
+        w.poll().await.expect("poll");
         assert!(w.last_change_ms() > first);
     }
 }

@@ -16,6 +16,9 @@ use crate::config::{Catchup, JobSpec, Overlap, SchedulerSpec, WaitFor, parse_dur
 /// Retries per run at most (attempt numbers take 4 bits of a tick's claim).
 pub(crate) const MAX_RETRIES: u32 = 10;
 
+/// The shortest `scheduler.lease`.
+const MIN_LEASE: Duration = Duration::from_secs(3);
+
 /// The run history's table name when the file declares none.
 pub(crate) const DEFAULT_HISTORY: &str = "lakeml_runs";
 
@@ -57,6 +60,8 @@ pub(crate) struct SchedulerSettings {
     pub history: TableDef,
     pub poll: Duration,
     pub grace: Duration,
+    /// How long a RUNNING attempt stays claimed unless its scheduler renews the lease.
+    pub lease: Duration,
 }
 
 fn duration(field: &str, text: &str) -> Result<Duration, String> {
@@ -177,11 +182,12 @@ pub(crate) fn plan_jobs(
                              so it never changes; watch an unpinned table"
                         ));
                     }
-                    if def.location.remote().is_some() {
+                    if def.location.remote().is_some() && !def.is_delta() {
                         return Err(format!(
-                            "{field}.on.table_updated: table `{t}` is in an object store, and \
-                             the scheduler watches local tables only for now; trigger the job \
-                             with `cron` or `every`"
+                            "{field}.on.table_updated: table `{t}` is a file table in an \
+                             object store, and the scheduler watches object-store tables only \
+                             when they are Delta tables (it reads their log); make it a Delta \
+                             table, or trigger the job with `cron` or `every`"
                         ));
                     }
                     watched.push(def.clone());
@@ -279,12 +285,6 @@ pub(crate) fn plan_scheduler(
                     "scheduler.history: table `{name}` must be an unpinned Delta table"
                 ));
             }
-            if def.location.remote().is_some() {
-                return Err(format!(
-                    "scheduler.history: table `{name}` is in an object store, and the run \
-                     history is kept on local disk only for now; give a local path"
-                ));
-            }
             def.clone()
         }
         None => {
@@ -320,10 +320,23 @@ pub(crate) fn plan_scheduler(
         Some(g) => duration("scheduler.grace", g)?,
         None => Duration::from_secs(60),
     };
+    let lease = match &spec.lease {
+        Some(l) => duration("scheduler.lease", l)?,
+        None => Duration::from_secs(60),
+    };
+    if lease < MIN_LEASE {
+        return Err(format!(
+            "scheduler.lease: `{}` is under {}; a running attempt's lease is renewed with a \
+             commit to the run history every third of it, so give at least that (default 60s)",
+            spec.lease.as_deref().unwrap_or_default(),
+            human(MIN_LEASE)
+        ));
+    }
     Ok(Some(SchedulerSettings {
         history,
         poll,
         grace,
+        lease,
     }))
 }
 

@@ -22,9 +22,7 @@ use crate::storage::{Defaults, Provider, StorageOptions};
 use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
 pub(crate) use checks::is_string;
 use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
-pub(crate) use jobs::{
-    DEFAULT_HISTORY, Job, Retries, SchedulerSettings, Timing, human, plan_jobs, plan_scheduler,
-};
+pub(crate) use jobs::{Job, Retries, SchedulerSettings, Timing, human, plan_jobs, plan_scheduler};
 pub(crate) use predict::{Inference, PredictStage, inference_settings, model_labels};
 use tables::table_def;
 pub(crate) use train::{TrainStage, id_column as train_id_column};

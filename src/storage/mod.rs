@@ -20,7 +20,7 @@ use std::sync::Arc;
 use object_store::ObjectStore;
 use url::Url;
 
-pub(crate) use cache::{is_url, model_dir};
+pub(crate) use cache::{cache_root, is_url, model_dir};
 pub(crate) use mirror::{Mirror, STAMP, Stamp, run_dir};
 pub(crate) use options::{Defaults, StorageOptions};
 pub(crate) use probe::explain;

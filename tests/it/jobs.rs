@@ -4,27 +4,41 @@
 //! and catch-up are unit-tested against an injected clock (src/jobs/timing.rs).
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, python, run_quiet};
 
-/// `pipeline schedule FILE` in the background, its stderr (the decision log) in a file.
-struct Scheduler {
+/// `pipeline schedule FILE` in the background, in a process group of its own with its runs,
+/// its stderr (the decision log) in a file.
+pub(crate) struct Scheduler {
     child: Child,
     log: PathBuf,
 }
 
 impl Scheduler {
     fn start(s: &Scratch, file: &str, log_name: &str) -> Self {
+        Self::start_with(s, file, log_name, &[])
+    }
+
+    /// [`Scheduler::start`] with `env` set.
+    pub(crate) fn start_with(
+        s: &Scratch,
+        file: &str,
+        log_name: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let log = s.path().join(log_name);
         let err = std::fs::File::create(&log).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
             .args(["schedule", file])
+            .envs(env.iter().copied())
             .current_dir(s.path())
             .stdout(Stdio::null())
             .stderr(err)
+            .process_group(0)
             .spawn()
             .expect("start pipeline schedule");
         let me = Self { child, log };
@@ -32,12 +46,12 @@ impl Scheduler {
         me
     }
 
-    fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Lines of the log holding every one of `parts`.
-    fn lines(&self, parts: &[&str]) -> Vec<String> {
+    pub(crate) fn lines(&self, parts: &[&str]) -> Vec<String> {
         self.text()
             .lines()
             .filter(|l| parts.iter().all(|p| l.contains(p)))
@@ -46,7 +60,7 @@ impl Scheduler {
     }
 
     /// Waits until a log line holds every `|`-separated part of `pattern`; returns it.
-    fn wait_for(&self, pattern: &str, limit: Duration) -> String {
+    pub(crate) fn wait_for(&self, pattern: &str, limit: Duration) -> String {
         let parts: Vec<&str> = pattern.split('|').collect();
         let began = Instant::now();
         loop {
@@ -70,8 +84,15 @@ impl Scheduler {
         assert!(status.success());
     }
 
+    /// SIGKILL to the scheduler and its runs (its process group).
+    pub(crate) fn kill_group(&self) {
+        // SAFETY: signalling our own child's process group.
+        let done = unsafe { libc::killpg(self.child.id() as i32, libc::SIGKILL) };
+        assert_eq!(done, 0, "killpg: {}", std::io::Error::last_os_error());
+    }
+
     /// SIGTERM, then the exit status (within 60 s).
-    fn stop(mut self) -> std::process::ExitStatus {
+    pub(crate) fn stop(mut self) -> std::process::ExitStatus {
         self.signal("-TERM");
         let began = Instant::now();
         loop {

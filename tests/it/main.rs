@@ -14,5 +14,6 @@ mod serve;
 mod serving;
 mod spark;
 mod storage;
+mod storage_jobs;
 mod tokenize;
 mod train;
