@@ -304,9 +304,15 @@ impl Mirror {
                 }
             }
             self.stamp(rel, &Stamp::new("complete", sizes)).await?;
-            for name in self.list(&staging).await?.into_keys() {
-                self.delete(&name).await?;
-                manifest.remove(&name);
+            // This upload's staging prefix, and any a killed run left behind.
+            let left = format!(".{rel}.tmp-");
+            for name in self.list_top().await? {
+                if name.starts_with(&left) {
+                    for object in self.list(&name).await?.into_keys() {
+                        self.delete(&object).await?;
+                        manifest.remove(&object);
+                    }
+                }
             }
             self.save_manifest(&manifest)
         })
@@ -341,6 +347,20 @@ impl Mirror {
                     .collect();
                 Some((parts.join("/"), (meta.size, meta.e_tag)))
             })
+            .collect())
+    }
+
+    /// The names of the directories directly under the prefix.
+    async fn list_top(&self) -> Result<Vec<String>, String> {
+        let listed = self
+            .store
+            .list_with_delimiter(Some(&self.prefix))
+            .await
+            .map_err(self.fail(&format!("listing {}", self.remote.url())))?;
+        Ok(listed
+            .common_prefixes
+            .iter()
+            .filter_map(|p| p.filename().map(str::to_string))
             .collect())
     }
 
