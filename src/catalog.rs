@@ -370,7 +370,9 @@ pub(crate) fn session() -> SessionContext {
         .with_config(config)
         .with_query_planner(DeltaPlanner::new())
         .build();
-    SessionContext::new_with_state(state)
+    let ctx = SessionContext::new_with_state(state);
+    crate::vector::register(&ctx);
+    ctx
 }
 
 /// Registers an empty table with `schema` under `name`: how validation sees a table that an

@@ -35,6 +35,7 @@ mod storage;
 mod tokenize;
 mod track;
 mod train;
+mod vector;
 
 pub use error::{Error, Result};
 pub use gemm::{GemmInfo, mkl_cpu_check, set_mkl_override};

@@ -112,6 +112,7 @@ impl Lake {
             .with_table_functions(safe)
             .build();
         let ctx = SessionContext::new_with_state(state);
+        crate::vector::register(&ctx);
         for f in functions {
             ctx.register_udf(f);
         }
