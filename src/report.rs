@@ -35,6 +35,9 @@ pub struct StageReport {
     /// Training: the fingerprint of inputs and settings (a matching rerun is skipped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<String>,
+    /// Embedding: how the vectors were pooled, and where that came from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pooling: Option<String>,
 }
 
 impl StageReport {
@@ -149,6 +152,9 @@ impl fmt::Display for StageReport {
             .collect();
         if !notes.is_empty() {
             write!(f, "; {}", notes.join(", "))?;
+        }
+        if let Some(pooling) = &self.pooling {
+            write!(f, "\n  pooling: {pooling}")?;
         }
         Ok(())
     }

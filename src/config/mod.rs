@@ -133,6 +133,7 @@ pub(crate) struct StageSpec {
     pub tokenize: Option<TokenizeSpec>,
     pub train: Option<Box<TrainSpec>>,
     pub predict: Option<Box<PredictSpec>>,
+    pub embed: Option<Box<PredictSpec>>,
     pub optimize: Option<OptimizeSpec>,
     pub vacuum: Option<VacuumSpec>,
 }
@@ -143,6 +144,7 @@ pub(crate) enum StageKind {
     Tokenize(TokenizeSpec),
     Train(Box<TrainSpec>),
     Predict(Box<PredictSpec>),
+    Embed(Box<PredictSpec>),
     Optimize(OptimizeSpec),
     Vacuum(VacuumSpec),
 }
@@ -154,6 +156,7 @@ impl StageSpec {
             self.tokenize.map(StageKind::Tokenize),
             self.train.map(StageKind::Train),
             self.predict.map(StageKind::Predict),
+            self.embed.map(StageKind::Embed),
             self.optimize.map(StageKind::Optimize),
             self.vacuum.map(StageKind::Vacuum),
         ];
@@ -162,7 +165,7 @@ impl StageSpec {
             (Some(kind), None) => Ok(kind),
             _ => Err(
                 "a stage is a map with exactly one key, its kind: `write`, `tokenize`, \
-                 `train`, `predict`, `optimize` or `vacuum`"
+                 `train`, `predict`, `embed`, `optimize` or `vacuum`"
                     .into(),
             ),
         }

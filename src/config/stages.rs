@@ -176,7 +176,8 @@ pub(crate) struct TrainSpec {
 }
 
 /// `predict`: a model over a table's text; the predictions go into a Delta table, exactly
-/// once per source version.
+/// once per source version. `embed` takes the same keys (less `labels`, `logits` and
+/// `text_pair`, plus `normalize` and `dims`) and writes sentence vectors instead.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PredictSpec {
@@ -226,6 +227,11 @@ pub(crate) struct PredictSpec {
     /// Rows read, tokenized and sorted by length together.
     #[serde(default = "default_batch_rows")]
     pub batch_rows: usize,
+    /// `embed`: L2-normalize the vectors (default: whether the model's sentence-transformers
+    /// modules end with `Normalize`).
+    pub normalize: Option<bool>,
+    /// `embed`: keep the first `dims` values of each vector (Matryoshka), then normalize.
+    pub dims: Option<usize>,
 }
 
 /// How a predict stage treats rows already in its table.

@@ -292,16 +292,22 @@ impl Encoder {
         })
     }
 
-    /// Hidden states `[batch, seq, hidden]`, except that the last layer computes the first
-    /// token only (`[batch, 1, hidden]`), which is all the classification heads read: in
-    /// training too, where nothing else reaches the loss, so the gradients are the full
+    /// Hidden states `[batch, seq, hidden]`; with `first_only`, the last layer computes the
+    /// first token only (`[batch, 1, hidden]`), which is all the classification heads read:
+    /// in training too, where nothing else reaches the loss, so the gradients are the full
     /// layer's (tested below) without its other rows' query, output and feed-forward.
-    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+    fn forward_t(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        train: bool,
+        first_only: bool,
+    ) -> Tensor {
         let mut x = self.embeddings.forward_t(input_ids, train);
         let bias = attention_bias(attention_mask, x.kind());
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_t(&x, &bias, train, i == last);
+            x = layer.forward_t(&x, &bias, train, first_only && i == last);
         }
         x
     }
@@ -335,10 +341,18 @@ impl BertClassifier {
 
 impl Classifier for BertClassifier {
     fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
-        let x = self.encoder.forward_t(input_ids, attention_mask, train);
+        let x = self
+            .encoder
+            .forward_t(input_ids, attention_mask, train, true);
         let pooled = self.pooler.forward(&x.select(1, 0)).tanh();
         self.classifier
             .forward(&dropout(&pooled, self.dropout, train))
+            .to_kind(tch::Kind::Float)
+    }
+
+    fn encode(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
+        self.encoder
+            .forward_t(input_ids, attention_mask, false, false)
             .to_kind(tch::Kind::Float)
     }
 
@@ -374,10 +388,18 @@ impl RobertaClassifier {
 
 impl Classifier for RobertaClassifier {
     fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
-        let x = self.encoder.forward_t(input_ids, attention_mask, train);
+        let x = self
+            .encoder
+            .forward_t(input_ids, attention_mask, train, true);
         let x = dropout(&x.select(1, 0), self.dropout, train);
         let x = dropout(&self.dense.forward(&x).tanh(), self.dropout, train);
         self.out_proj.forward(&x).to_kind(tch::Kind::Float)
+    }
+
+    fn encode(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
+        self.encoder
+            .forward_t(input_ids, attention_mask, false, false)
+            .to_kind(tch::Kind::Float)
     }
 
     fn quantize_int8(&mut self) {

@@ -52,6 +52,15 @@ impl Arch {
         }
     }
 
+    /// The width of the encoder's hidden states.
+    pub(crate) fn hidden_size(&self) -> i64 {
+        match self {
+            Arch::Bert(c) | Arch::Roberta(c) => c.hidden_size,
+            Arch::DistilBert(c) => c.dim,
+            Arch::DebertaV2(c) => c.hidden_size,
+        }
+    }
+
     pub(crate) fn vocab_size(&self) -> i64 {
         match self {
             Arch::Bert(c) | Arch::Roberta(c) => c.vocab_size,

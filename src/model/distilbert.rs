@@ -242,22 +242,41 @@ impl DistilBertClassifier {
     }
 }
 
-impl Classifier for DistilBertClassifier {
-    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+impl DistilBertClassifier {
+    /// Hidden states `[batch, seq, dim]`; with `first_only`, the last block computes `[CLS]`
+    /// only, in training too: the head (and so the loss) reads nothing else, so the
+    /// gradients are the full block's (tested below).
+    fn hidden(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        train: bool,
+        first_only: bool,
+    ) -> Tensor {
         let t = input_ids.size()[1];
         let positions = Tensor::arange(t, (tch::Kind::Int64, input_ids.device())).unsqueeze(0);
         let x = self.word.forward(input_ids) + self.position.forward(&positions);
         let mut x = dropout(&self.norm.forward(&x), self.dropout, train);
         let bias = attention_bias(attention_mask, x.kind());
-        // The last block computes `[CLS]` only, in training too: the head (and so the loss)
-        // reads nothing else, so the gradients are the full block's (tested below).
         let last = self.blocks.len().saturating_sub(1);
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward_t(&x, &bias, train, i == last);
+            x = block.forward_t(&x, &bias, train, first_only && i == last);
         }
+        x
+    }
+}
+
+impl Classifier for DistilBertClassifier {
+    fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+        let x = self.hidden(input_ids, attention_mask, train, true);
         let pooled = self.pre_classifier.forward(&x.select(1, 0)).relu();
         self.classifier
             .forward(&dropout(&pooled, self.head_dropout, train))
+            .to_kind(tch::Kind::Float)
+    }
+
+    fn encode(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
+        self.hidden(input_ids, attention_mask, false, false)
             .to_kind(tch::Kind::Float)
     }
 

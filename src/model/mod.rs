@@ -92,6 +92,10 @@ pub(crate) trait Classifier: Send {
     /// `train` switches dropout on.
     fn forward_t(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor;
 
+    /// The encoder's last hidden states `[batch, seq, hidden]` (fp32) for every token, for
+    /// inference: what sentence-embedding pooling reads. The classification head is not run.
+    fn encode(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor;
+
     /// Switches the encoder's linear layers to int8 products (see [`Linear::quantize`]) for
     /// inference, except each feed-forward down-projection, which runs in bf16
     /// ([`Linear::use_bf16`]); embeddings, LayerNorms, attention and the head stay fp32.

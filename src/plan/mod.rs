@@ -174,6 +174,7 @@ impl Pipeline {
         let mut names = std::collections::HashSet::new();
         for (i, s) in spec.stages.into_iter().enumerate() {
             let kind = s.kind().map_err(|m| err(format!("stages[{i}]: {m}")))?;
+            let embed = matches!(kind, StageKind::Embed(_));
             let stage = match kind {
                 StageKind::Write(w) => {
                     let field = format!("stages[{i}].write");
@@ -265,9 +266,9 @@ impl Pipeline {
                 StageKind::Train(t) => Stage::Train(Box::new(
                     train::train_stage(&base, i, *t, &stages, &storage).map_err(err)?,
                 )),
-                StageKind::Predict(p) => {
-                    let stage =
-                        predict::predict_stage(&base, i, *p, &stages, &storage).map_err(err)?;
+                StageKind::Predict(p) | StageKind::Embed(p) => {
+                    let stage = predict::predict_stage(&base, i, *p, &stages, &storage, embed)
+                        .map_err(err)?;
                     output_table(&tables, &stage.to, &stage.field).map_err(err)?;
                     Stage::Predict(Box::new(stage))
                 }
@@ -431,12 +432,19 @@ impl Pipeline {
                         .await
                         .map_err(err)?;
                     let mut reserved = vec!["input_ids", "length"];
-                    reserved.extend(predict::PREDICT_COLUMNS);
+                    reserved.extend(match p.embed {
+                        Some(_) => predict::EMBED_COLUMNS,
+                        None => predict::PREDICT_COLUMNS,
+                    });
                     check_row_columns(&p.field, &p.policy, false, &reserved, &schema)
                         .map_err(err)?;
                     let tokenized = tokenize::output_schema(&schema, &p.policy)?;
-                    let out =
-                        crate::predict::output_schema(&tokenized, &p.policy, p.settings.logits);
+                    let out = match &p.embed {
+                        Some(_) => crate::predict::embeddings_schema(&tokenized, &p.policy),
+                        None => {
+                            crate::predict::output_schema(&tokenized, &p.policy, p.settings.logits)
+                        }
+                    };
                     self.check_predict_target(p, &out).await.map_err(err)?;
                     catalog::register_planned(ctx, &p.to, out)?;
                 }
@@ -501,9 +509,15 @@ impl Pipeline {
         }
         appendable(def, schema).await?.map_err(|d| {
             format!(
-                "{}: table `{}` does not hold predictions of this shape, so new ones cannot be \
+                "{}: table `{}` does not hold {} of this shape, so new ones cannot be \
                  appended: {d}; write to another table, or use `mode: overwrite`",
-                p.field, p.to
+                p.field,
+                p.to,
+                if p.embed.is_some() {
+                    "embeddings"
+                } else {
+                    "predictions"
+                }
             )
         })
     }

@@ -1,5 +1,6 @@
-//! Planning a `predict` stage: the model directory (or the train stage that will write it),
-//! its labels, the device and the batching settings, checked before any work.
+//! Planning a `predict` or `embed` stage: the model directory (or the train stage that will
+//! write it), its labels or its pooling, the device and the batching settings, checked
+//! before any work.
 
 use std::path::{Path, PathBuf};
 
@@ -7,7 +8,7 @@ use super::train::device;
 use super::{Stage, query};
 use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec, Truncation};
 use crate::model::ModelConfig;
-use crate::predict::PredictSettings;
+use crate::predict::{Pooling, PredictSettings};
 use crate::tokenize::RowPolicy;
 
 /// Most tokens per row when neither the pipeline nor the model says fewer.
@@ -33,8 +34,70 @@ pub(crate) struct PredictStage {
     pub job: Option<String>,
     /// Class names the model must have.
     pub labels: Option<Vec<String>>,
+    /// An `embed` stage's vectors; `None`: class predictions.
+    pub embed: Option<Embedding>,
     pub device: tch::Device,
     pub settings: PredictSettings,
+}
+
+/// What an `embed` stage writes: `dims` values per row, pooled as `pooling` says.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Embedding {
+    pub pooling: Pooling,
+    pub dims: usize,
+    pub normalize: bool,
+}
+
+impl PredictStage {
+    /// `predict` or `embed`.
+    pub(crate) fn kind(&self) -> &'static str {
+        if self.embed.is_some() {
+            "embed"
+        } else {
+            "predict"
+        }
+    }
+}
+
+/// `max_seq_length` of a sentence-transformers model (`sentence_bert_config.json`): the
+/// length its vectors were made with.
+fn sentence_max_length(dir: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join("sentence_bert_config.json")).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    usize::try_from(config.get("max_seq_length")?.as_u64()?).ok()
+}
+
+/// The `embed` settings of a stage, checked; and that it sets no `predict`-only key.
+fn embedding(
+    f: &str,
+    p: &PredictSpec,
+    model: &Path,
+    config: &ModelConfig,
+) -> Result<Embedding, String> {
+    for (key, given) in [
+        ("labels", p.labels.is_some()),
+        ("logits", p.logits),
+        ("text_pair", p.text_pair.is_some()),
+    ] {
+        if given {
+            return Err(format!(
+                "{f}.{key}: applies to predict stages; an embed stage writes one vector per text"
+            ));
+        }
+    }
+    let pooling = Pooling::read(model).map_err(|e| format!("{f}.model: {e}"))?;
+    let width = pooling.width(usize::try_from(config.arch.hidden_size()).unwrap_or(0));
+    let dims = p.dims.unwrap_or(width);
+    if dims == 0 || dims > width {
+        return Err(format!(
+            "{f}.dims: {dims} is out of range; the model's vectors have {width} values, so              give 1..={width}"
+        ));
+    }
+    Ok(Embedding {
+        normalize: p.normalize.unwrap_or(pooling.normalize),
+        pooling,
+        dims,
+    })
 }
 
 /// Checks that the model in `dir` is a trained classifier whose labels match `expected`.
@@ -99,14 +162,16 @@ fn trained_earlier(
     })
 }
 
+/// A `predict` stage, or with `embed` an `embed` stage.
 pub(super) fn predict_stage(
     base: &Path,
     i: usize,
     p: PredictSpec,
     earlier: &[Stage],
     storage: &crate::storage::Defaults,
+    embed: bool,
 ) -> Result<PredictStage, String> {
-    let field = format!("stages[{i}].predict");
+    let field = format!("stages[{i}].{}", if embed { "embed" } else { "predict" });
     let f = field.as_str();
     let query = query(base, &p.source, f)?;
     let model = match trained_earlier(base, &p.model, earlier, storage) {
@@ -128,7 +193,7 @@ pub(super) fn predict_stage(
                 model.display()
             ));
         }
-        if trainer.is_none() {
+        if trainer.is_none() && !embed {
             model_labels(&model, &config, p.labels.as_deref()).map_err(|e| format!("{f}: {e}"))?;
         }
         config
@@ -140,6 +205,19 @@ pub(super) fn predict_stage(
              under a train stage's `output`), or run the pipeline that trains it first",
             model.display()
         ));
+    };
+    let embedding = if embed {
+        Some(embedding(f, &p, &model, &config)?)
+    } else {
+        for (key, given) in [
+            ("normalize", p.normalize.is_some()),
+            ("dims", p.dims.is_some()),
+        ] {
+            if given {
+                return Err(format!("{f}.{key}: applies to embed stages"));
+            }
+        }
+        None
     };
     if let Some(labels) = &p.labels {
         let mut seen = std::collections::HashSet::new();
@@ -155,7 +233,9 @@ pub(super) fn predict_stage(
             precision: p.precision,
             threads: p.threads,
             replicas: p.replicas,
-            max_length: p.max_length,
+            max_length: p
+                .max_length
+                .or_else(|| embed.then(|| sentence_max_length(&model)).flatten()),
             truncation: p.truncation,
             batch_tokens: p.batch_tokens,
             batch_rows: p.batch_rows,
@@ -163,7 +243,9 @@ pub(super) fn predict_stage(
         },
     )?;
     Ok(PredictStage {
-        name: p.name.unwrap_or_else(|| format!("predict-{}", p.to)),
+        name: p
+            .name
+            .unwrap_or_else(|| format!("{}-{}", if embed { "embed" } else { "predict" }, p.to)),
         field,
         query,
         to: p.to,
@@ -182,6 +264,7 @@ pub(super) fn predict_stage(
         mode: p.mode,
         job: p.job,
         labels: p.labels,
+        embed: embedding,
         device,
         settings,
     })
@@ -286,6 +369,9 @@ pub(crate) fn inference_settings(
         },
     ))
 }
+
+/// Columns the embeddings table holds besides the `keep` ones.
+pub(super) const EMBED_COLUMNS: &[&str] = &["embedding", "model_version", "run_id", "embedded_at"];
 
 /// Columns the predictions table holds besides the `keep` ones.
 pub(super) const PREDICT_COLUMNS: &[&str] = &[

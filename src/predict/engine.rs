@@ -1,8 +1,9 @@
-//! The model side of prediction: `replicas` libtorch threads, each with its own copy of the
-//! model, take windows of tokenized rows from one bounded queue and send back their logits.
+//! The model side of prediction and embedding: `replicas` libtorch threads, each with its own
+//! copy of the model, take windows of tokenized rows from one bounded queue, run the encoder
+//! and hand its output to a [`Head`]: the classifier's logits, or pooled sentence vectors.
 //!
-//! The batch `predict` stage and `pipeline serve` (SQL functions and DoExchange) share this
-//! engine. A replica that finds several windows waiting merges them into one, so rows from
+//! The batch `predict` and `embed` stages and `pipeline serve` (SQL functions and
+//! DoExchange) share this engine. A replica that finds several windows waiting merges them into one, so rows from
 //! concurrent queries are sorted by length together and packed under the same token budget;
 //! a window whose caller has gone away (a client that disconnected) is dropped unrun, and
 //! one whose callers all go away mid-run stops at its next forward pass.
@@ -19,6 +20,7 @@ use arrow::datatypes::Int32Type;
 use tch::{Device, Kind, Tensor};
 
 use super::PredictSettings;
+use super::pooling::{Pooling, normalized};
 use crate::config::Precision;
 use crate::error::{Error, Result};
 use crate::model::{Model, ModelConfig, thread};
@@ -83,22 +85,62 @@ impl Drop for RunningGuard {
     }
 }
 
+/// What the engine makes of the encoder's output, per row.
+#[derive(Debug, Clone)]
+pub(crate) enum Head {
+    /// The classifier's logits, one per class.
+    Classify { classes: usize },
+    /// A sentence vector: pooled, cut to its first `dims` values (Matryoshka) and then
+    /// L2-normalized when `normalize`.
+    Embed {
+        pooling: Arc<Pooling>,
+        dims: usize,
+        normalize: bool,
+    },
+}
+
+impl Head {
+    /// Values per row.
+    pub(crate) fn width(&self) -> usize {
+        match self {
+            Head::Classify { classes } => *classes,
+            Head::Embed { dims, .. } => *dims,
+        }
+    }
+
+    /// `[rows, width]` (fp32) for a forward pass's inputs.
+    fn run(&self, model: &Model, input: &Tensor, mask: &Tensor) -> Tensor {
+        match self {
+            Head::Classify { .. } => model.net.forward_t(input, mask, false),
+            Head::Embed {
+                pooling,
+                dims,
+                normalize,
+            } => {
+                let pooled = pooling.pool(&model.net.encode(input, mask), mask);
+                let cut = pooled.narrow(1, 0, *dims as i64);
+                if *normalize { normalized(&cut) } else { cut }
+            }
+        }
+    }
+}
+
 /// How a replica runs its forward passes.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Pass {
     device: Device,
     pad_id: i64,
     batch_tokens: usize,
-    classes: usize,
+    head: Arc<Head>,
 }
 
 impl Engine {
-    /// Loads `replicas` copies of the model in `dir` (with `classes` labels) and waits until
-    /// each is ready, so a bad model fails before any row is read.
+    /// Loads `replicas` copies of the model in `dir` for `head` and waits until each is
+    /// ready, so a bad model fails before any row is read.
     pub(crate) async fn start(
         dir: &Path,
         config: &ModelConfig,
-        classes: usize,
+        head: Head,
         device: Device,
         settings: &PredictSettings,
     ) -> Result<Self> {
@@ -114,13 +156,14 @@ impl Engine {
             device,
             pad_id: config.arch.pad_token_id(),
             batch_tokens: settings.batch_tokens,
-            classes,
+            head: Arc::new(head),
         };
         let running = Running::default();
         let mut ready = Vec::new();
         for i in 0..replicas {
             let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-            let (rx, config, dir) = (rx.clone(), config.clone(), dir.to_path_buf());
+            let (rx, config, dir, pass) =
+                (rx.clone(), config.clone(), dir.to_path_buf(), pass.clone());
             let precision = settings.precision;
             let guard = running.enter();
             // The thread's own result only matters for loading, which is reported on `ready`.
@@ -130,8 +173,9 @@ impl Engine {
                 move || {
                     let _running = guard;
                     tch::set_num_threads(threads as i32);
-                    let loaded =
-                        thread::catch(OOM_HINT, || load(config, &dir, classes, device, precision));
+                    let loaded = thread::catch(OOM_HINT, || {
+                        load(config, &dir, &pass.head, device, precision)
+                    });
                     let model = match loaded {
                         Ok(model) => {
                             let _ = ready_tx.send(Ok(()));
@@ -142,7 +186,7 @@ impl Engine {
                             return Ok(());
                         }
                     };
-                    serve(&model, &rx, pass);
+                    serve(&model, &rx, &pass);
                     Ok(())
                 },
             )?);
@@ -158,10 +202,10 @@ impl Engine {
         })
     }
 
-    /// Logits `[rows, classes]`, row-major, of the rows of `ids` (each a list of token ids).
-    /// Waits for room in the queue; dropping the future before it resolves withdraws the
-    /// window.
-    pub(crate) async fn logits(&self, ids: ListArray) -> Result<Vec<f32>> {
+    /// The head's output `[rows, width]`, row-major, of the rows of `ids` (each a list of
+    /// token ids): logits, or sentence vectors. Waits for room in the queue; dropping the
+    /// future before it resolves withdraws the window.
+    pub(crate) async fn run(&self, ids: ListArray) -> Result<Vec<f32>> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let tx = self.queue.lock().ok().and_then(|q| q.clone());
         let sent = match tx {
@@ -188,16 +232,21 @@ impl Drop for Engine {
     }
 }
 
-/// Loads the model for inference: weights in `precision`, a trained head required.
+/// Loads the model for inference: weights in `precision`, and for a classifier a trained
+/// head (an embedding model reads the encoder only).
 fn load(
     config: ModelConfig,
     dir: &Path,
-    classes: usize,
+    head: &Head,
     device: Device,
     precision: Precision,
 ) -> Result<Model> {
+    let classes = match head {
+        Head::Classify { classes } => *classes,
+        Head::Embed { .. } => config.labels()?.map_or(2, |l| l.len()),
+    };
     let mut model = Model::load(config, dir, classes as i64, device)?;
-    if !model.fresh.is_empty() {
+    if matches!(head, Head::Classify { .. }) && !model.fresh.is_empty() {
         return Err(Error::Model(format!(
             "{}: the weights have no trained classification head for the {classes} labels of \
              config.json's id2label (missing or another size: {}); predict needs a fine-tuned \
@@ -220,7 +269,7 @@ fn load(
 
 /// A replica's loop until the queue closes: takes the next window and whatever else is
 /// waiting (up to [`MERGE_ROWS`] rows), runs them as one, and answers each caller.
-fn serve(model: &Model, queue: &Queue, pass: Pass) {
+fn serve(model: &Model, queue: &Queue, pass: &Pass) {
     loop {
         let jobs = match queue.lock() {
             Ok(mut rx) => {
@@ -247,7 +296,7 @@ fn serve(model: &Model, queue: &Queue, pass: Pass) {
         if jobs.len() == 1 {
             let job = jobs.remove(0);
             let gone = || job.reply.is_closed();
-            let result = thread::catch(OOM_HINT, || window_logits(model, &job.ids, pass, &gone));
+            let result = thread::catch(OOM_HINT, || window_outputs(model, &job.ids, pass, &gone));
             let _ = job.reply.send(result);
             continue;
         }
@@ -257,11 +306,11 @@ fn serve(model: &Model, queue: &Queue, pass: Pass) {
             .and_then(|merged| {
                 let ids = merged.as_list::<i32>();
                 let gone = || jobs.iter().all(|j| j.reply.is_closed());
-                thread::catch(OOM_HINT, || window_logits(model, ids, pass, &gone))
+                thread::catch(OOM_HINT, || window_outputs(model, ids, pass, &gone))
             });
         let mut start = 0;
         for job in jobs {
-            let n = job.ids.len() * pass.classes;
+            let n = job.ids.len() * pass.head.width();
             let answer = match &result {
                 Ok(logits) => Ok(logits[start..start + n].to_vec()),
                 Err(e) => Err(Error::Model(e.to_string())),
@@ -273,14 +322,15 @@ fn serve(model: &Model, queue: &Queue, pass: Pass) {
 }
 
 /// Sorts a window's rows by length (longest first) and runs them in forward passes of at
-/// most `batch_tokens` padded tokens; returns the logits in the window's row order. Stops
+/// most `batch_tokens` padded tokens; returns the head's output in the window's row order. Stops
 /// before a pass once `gone()` says no caller waits for the answer any more.
-fn window_logits(
+fn window_outputs(
     model: &Model,
     ids: &ListArray,
-    pass: Pass,
+    pass: &Pass,
     gone: &dyn Fn() -> bool,
 ) -> Result<Vec<f32>> {
+    let width = pass.head.width();
     let _no_grad = tch::no_grad_guard();
     let offsets = ids.value_offsets();
     let values = ids.values().as_primitive::<Int32Type>().values();
@@ -288,7 +338,7 @@ fn window_logits(
     let rows = ids.len();
     let mut order: Vec<usize> = (0..rows).collect();
     order.sort_by_key(|&r| std::cmp::Reverse(len(r)));
-    let mut out = vec![0f32; rows * pass.classes];
+    let mut out = vec![0f32; rows * width];
     let mut start = 0;
     while start < rows {
         if gone() {
@@ -309,22 +359,21 @@ fn window_logits(
             }
         }
         let shape = [take as i64, longest as i64];
-        let logits = model
-            .net
-            .forward_t(
+        let output = pass
+            .head
+            .run(
+                model,
                 &Tensor::from_slice(&input)
                     .view(shape)
                     .to_device(pass.device),
                 &Tensor::from_slice(&mask).view(shape).to_device(pass.device),
-                false,
             )
             .to_device(Device::Cpu)
             .contiguous();
-        let flat = Vec::<f32>::try_from(logits.view([-1]))
-            .map_err(|e| Error::Model(format!("reading logits back: {e}")))?;
+        let flat = Vec::<f32>::try_from(output.view([-1]))
+            .map_err(|e| Error::Model(format!("reading the model's output back: {e}")))?;
         for (i, &r) in chunk.iter().enumerate() {
-            out[r * pass.classes..(r + 1) * pass.classes]
-                .copy_from_slice(&flat[i * pass.classes..(i + 1) * pass.classes]);
+            out[r * width..(r + 1) * width].copy_from_slice(&flat[i * width..(i + 1) * width]);
         }
         start += take;
     }

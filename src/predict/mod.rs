@@ -9,11 +9,16 @@
 
 mod engine;
 mod output;
+mod pooling;
 
 use serde::Serialize;
 
-pub(crate) use engine::Engine;
-pub(crate) use output::{Meta, float_list, output_schema, predictions_batch, softmax};
+pub(crate) use engine::{Engine, Head};
+pub(crate) use output::{
+    Meta, embeddings_batch, embeddings_schema, float_list, output_schema, predictions_batch,
+    softmax,
+};
+pub(crate) use pooling::Pooling;
 
 use crate::config::Precision;
 

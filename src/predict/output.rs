@@ -1,5 +1,8 @@
 //! The predictions table (ARCHITECTURE.md): `id`, `label`, `label_id`, `score`, `probabilities`,
-//! optionally `logits`, `model_version`, `run_id`, `predicted_at`, then the `keep` columns.
+//! optionally `logits`, `model_version`, `run_id`, `predicted_at`, then the `keep` columns;
+//! and the embeddings table: `id`, `embedding` (`list<float32>` of `dims` values: Delta has no
+//! fixed-size array type, so this is what every reader sees), `model_version`, `run_id`,
+//! `embedded_at`, then the `keep` columns.
 
 use std::sync::Arc;
 
@@ -156,4 +159,71 @@ pub(crate) fn predictions_batch(
     }
     RecordBatch::try_new(schema.clone(), columns)
         .map_err(|e| Error::Internal(format!("building a predictions batch: {e}")))
+}
+
+/// The embeddings schema for a tokenized schema (`id`, `input_ids`, `length`, keep...).
+pub(crate) fn embeddings_schema(tokenized: &Schema, policy: &RowPolicy) -> SchemaRef {
+    let mut fields = vec![
+        tokenized.field(0).clone(),
+        Field::new("embedding", float_list(), false),
+        Field::new("model_version", DataType::Utf8, false),
+        Field::new("run_id", DataType::Utf8, false),
+        Field::new(
+            "embedded_at",
+            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+            false,
+        ),
+    ];
+    for name in &policy.keep {
+        if let Ok(f) = tokenized.field_with_name(name) {
+            fields.push(f.clone());
+        }
+    }
+    Arc::new(Schema::new(fields))
+}
+
+/// The embeddings of one tokenized window from its vectors (`[rows, dims]`, row-major).
+pub(crate) fn embeddings_batch(
+    tokenized: &RecordBatch,
+    vectors: &[f32],
+    dims: usize,
+    meta: &Meta,
+    policy: &RowPolicy,
+    schema: &SchemaRef,
+) -> Result<RecordBatch> {
+    let rows = tokenized.num_rows();
+    if vectors.len() != rows * dims {
+        return Err(Error::Internal(format!(
+            "{} values for {rows} vectors of {dims}",
+            vectors.len()
+        )));
+    }
+    let column = |name: &str| {
+        tokenized
+            .column_by_name(name)
+            .cloned()
+            .ok_or_else(|| Error::Internal(format!("column `{name}` missing from a window")))
+    };
+    let repeat = |s: &str| -> ArrayRef { Arc::new(StringArray::from(vec![s; rows])) };
+    let embedding = ListArray::try_new(
+        Arc::new(Field::new_list_field(DataType::Float32, false)),
+        OffsetBuffer::from_lengths(std::iter::repeat_n(dims, rows)),
+        Arc::new(Float32Array::from(vectors.to_vec())),
+        None,
+    )
+    .map_err(|e| Error::Internal(format!("building the embedding column: {e}")))?;
+    let mut columns: Vec<ArrayRef> = vec![
+        column(&policy.id)?,
+        Arc::new(embedding),
+        repeat(&meta.model_version),
+        repeat(&meta.run_id),
+        Arc::new(
+            TimestampMicrosecondArray::from(vec![meta.predicted_at; rows]).with_timezone("UTC"),
+        ),
+    ];
+    for name in &policy.keep {
+        columns.push(column(name)?);
+    }
+    RecordBatch::try_new(schema.clone(), columns)
+        .map_err(|e| Error::Internal(format!("building an embeddings batch: {e}")))
 }

@@ -11,7 +11,7 @@ use arrow::datatypes::{DataType, Field};
 
 use super::plan::ServedModel;
 use crate::error::{Error, Result};
-use crate::predict::{Engine, softmax};
+use crate::predict::{Engine, Head, softmax};
 use crate::tokenize::{Encoder, EncoderSettings};
 
 /// Entries per cache generation; two generations are kept (about the last 64k texts).
@@ -111,7 +111,9 @@ impl Scorer {
         let engine = Engine::start(
             &model.dir,
             &model.config,
-            model.labels.len(),
+            Head::Classify {
+                classes: model.labels.len(),
+            },
             model.device,
             s,
         )
@@ -188,7 +190,7 @@ impl Scorer {
                 None,
             )
             .map_err(|e| Error::Internal(format!("input_ids: {e}")))?;
-            let logits = self.engine.logits(ids).await?;
+            let logits = self.engine.run(ids).await?;
             let probabilities = softmax(&logits, classes).probabilities;
             computed = probabilities
                 .chunks_exact(classes)

@@ -1,6 +1,7 @@
-//! The `predict` stage: a trained model over a table's rows, written as a predictions table
-//! in one commit that carries a Delta app transaction (`txn`) for the job, so a rerun over
-//! the same source version adds nothing and two runs of one job cannot both commit.
+//! The `predict` and `embed` stages: a model over a table's rows, written as a predictions
+//! (or embeddings) table in one commit that carries a Delta app transaction (`txn`) for the
+//! job, so a rerun over the same source version adds nothing and two runs of one job cannot
+//! both commit. Both run the one engine; only its head and the output columns differ.
 
 use std::io::Read;
 use std::path::Path;
@@ -26,7 +27,9 @@ use crate::fingerprint;
 use crate::model::{ModelConfig, weight_files};
 use crate::plan::PredictStage;
 use crate::plan::model_labels;
-use crate::predict::{Engine, Meta, output_schema, predictions_batch};
+use crate::predict::{
+    Engine, Head, Meta, embeddings_batch, embeddings_schema, output_schema, predictions_batch,
+};
 use crate::report::StageReport;
 use crate::tokenize::{self, Counters, Encoder, EncoderSettings};
 
@@ -79,7 +82,10 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
 
     // The model is read now: an earlier train stage of this run may have just written it.
     let config = ModelConfig::load(&stage.model).map_err(|e| model_err(e.to_string()))?;
-    let labels = model_labels(&stage.model, &config, stage.labels.as_deref()).map_err(model_err)?;
+    let labels = match stage.embed {
+        Some(_) => Vec::new(),
+        None => model_labels(&stage.model, &config, stage.labels.as_deref()).map_err(model_err)?,
+    };
     let encoder = Arc::new(Encoder::from_path(
         &stage.model,
         EncoderSettings {
@@ -105,7 +111,8 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
         .clone()
         .unwrap_or_else(|| format!("lakeml/{}/{}", run.pipeline.name, stage.name));
     let fingerprint = fingerprint::digest(&json!({
-        "kind": "predict",
+        "kind": stage.kind(),
+        "embed": stage.embed,
         "sql": stage.query.sql,
         "inputs": inputs,
         "model_version": model_version,
@@ -120,8 +127,16 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
     }));
     let mut report = StageReport {
         stage: stage.name.clone(),
-        kind: "predict".into(),
+        kind: stage.kind().into(),
         table: stage.to.clone(),
+        pooling: stage.embed.as_ref().map(|e| {
+            format!(
+                "{}; {} dims{}",
+                e.pooling.source,
+                e.dims,
+                if e.normalize { ", normalized" } else { "" }
+            )
+        }),
         ..Default::default()
     };
 
@@ -157,6 +172,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
     };
     if let Some(table) = incremental {
         if let Some(before) = last.as_ref().and_then(|tag| tag.pointer("/extra/labels"))
+            && stage.embed.is_none()
             && *before != json!(labels)
         {
             return Err(Error::Data(format!(
@@ -213,7 +229,16 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
         Engine::start(
             &stage.model,
             &config,
-            labels.len(),
+            match &stage.embed {
+                Some(e) => Head::Embed {
+                    pooling: Arc::new(e.pooling.clone()),
+                    dims: e.dims,
+                    normalize: e.normalize,
+                },
+                None => Head::Classify {
+                    classes: labels.len(),
+                },
+            },
             stage.device,
             &stage.settings,
         )
@@ -229,7 +254,11 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
         logits: s.logits,
     });
     let tokenized_schema = tokenize::output_schema(&schema, policy)?;
-    let schema = output_schema(&tokenized_schema, policy, s.logits);
+    let schema = match &stage.embed {
+        Some(_) => embeddings_schema(&tokenized_schema, policy),
+        None => output_schema(&tokenized_schema, policy, s.logits),
+    };
+    let dims = stage.embed.as_ref().map(|e| e.dims);
     let counters = Arc::new(Counters::default());
     let bar = run.progress(&stage.name);
     let in_flight = if stage.device.is_cuda() {
@@ -279,17 +308,26 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
                         return Ok(RecordBatch::new_empty(schema));
                     }
                     let ids = tokenized.column(1).as_list::<i32>().clone();
-                    let logits = engine.logits(ids).await.map_err(external)?;
-                    predictions_batch(&tokenized, &logits, &meta, &policy, &schema)
-                        .map_err(external)
+                    let output = engine.run(ids).await.map_err(external)?;
+                    if let Some(dims) = dims {
+                        embeddings_batch(&tokenized, &output, dims, &meta, &policy, &schema)
+                    } else {
+                        predictions_batch(&tokenized, &output, &meta, &policy, &schema)
+                    }
+                    .map_err(external)
                 }
             })
             .buffered(in_flight)
             .inspect(move |result| {
                 if result.is_ok() {
                     bar.set_message(format!(
-                        "{} rows predicted",
-                        progress.rows_out.load(Ordering::Relaxed)
+                        "{} rows {}",
+                        progress.rows_out.load(Ordering::Relaxed),
+                        if dims.is_some() {
+                            "embedded"
+                        } else {
+                            "predicted"
+                        }
                     ));
                 }
             })
@@ -298,6 +336,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
     let extra = json!({
         "job": job,
         "labels": labels,
+        "embed": stage.embed,
         "model": stage.model.display().to_string(),
         "model_version": model_version,
         "run_id": run_id,

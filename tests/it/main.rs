@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod embed;
 mod jobs;
 mod layers;
 mod mlflow;

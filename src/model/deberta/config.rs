@@ -17,7 +17,7 @@ use crate::model::{ACTIVATIONS, Linear};
 #[serde(default)]
 pub(crate) struct Config {
     pub(super) vocab_size: i64,
-    pub(super) hidden_size: i64,
+    pub(crate) hidden_size: i64,
     pub(super) num_hidden_layers: i64,
     pub(super) num_attention_heads: i64,
     pub(super) intermediate_size: i64,

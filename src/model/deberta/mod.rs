@@ -327,6 +327,13 @@ impl Classifier for DebertaV2ForSequenceClassification {
         pooled.apply(&self.classifier).to_kind(Kind::Float)
     }
 
+    fn encode(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
+        let embedded = self.embeddings.forward_t(input_ids, attention_mask, false);
+        self.encoder
+            .forward_t(&embedded, attention_mask, false)
+            .to_kind(Kind::Float)
+    }
+
     fn quantize_int8(&mut self) {
         self.encoder.quantize_int8();
     }

@@ -1,0 +1,218 @@
+//! The `embed` stage on real data (Rotten Tomatoes, MiniLM) against sentence-transformers'
+//! `model.encode` of the same texts and model: every pooling mode sentence-transformers
+//! configures, a model without its files, Matryoshka truncation; exactly once on rerun; a
+//! nearest-neighbour search in SQL equal to numpy's; bad settings refused.
+
+use std::path::Path;
+
+use crate::common::{INGEST, Scratch, ingest, ingest_yaml, minilm, python};
+
+const ROWS: usize = 60;
+
+/// A copy of MiniLM with sentence-transformers' `modules.json` and a Pooling module that
+/// turns `mode` on, and a `Normalize` module when `normalize`.
+fn st_model(dir: &Path, mode: &str, normalize: bool) {
+    std::fs::create_dir_all(dir.join("1_Pooling")).expect("mkdir");
+    for entry in std::fs::read_dir(minilm()).expect("minilm").flatten() {
+        if entry.path().is_file() {
+            std::fs::copy(entry.path(), dir.join(entry.file_name())).expect("copy");
+        }
+    }
+    let mut modules = vec![
+        r#"{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}"#
+            .to_string(),
+        r#"{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}"#
+            .to_string(),
+    ];
+    if normalize {
+        std::fs::create_dir_all(dir.join("2_Normalize")).expect("mkdir");
+        modules.push(
+            r#"{"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}"#
+                .to_string(),
+        );
+    }
+    std::fs::write(
+        dir.join("modules.json"),
+        format!("[{}]", modules.join(", ")),
+    )
+    .expect("write");
+    let on = |m: &str| if m == mode { "true" } else { "false" };
+    std::fs::write(
+        dir.join("1_Pooling/config.json"),
+        format!(
+            r#"{{"word_embedding_dimension": 384, "pooling_mode_cls_token": {}, "pooling_mode_mean_tokens": {}, "pooling_mode_max_tokens": {}, "pooling_mode_mean_sqrt_len_tokens": {}, "pooling_mode_weightedmean_tokens": false, "pooling_mode_lasttoken": {}, "include_prompt": true}}"#,
+            on("cls"),
+            on("mean"),
+            on("max"),
+            on("mean_sqrt_len"),
+            on("lasttoken")
+        ),
+    )
+    .expect("write");
+}
+
+/// (table, model directory, dims, normalize) of each embed stage of the test's pipeline.
+fn cases(s: &Scratch) -> Vec<(String, String, usize, bool)> {
+    let fixture = |name: &str| s.path().join(name).display().to_string();
+    vec![
+        ("mean_norm".into(), fixture("st_mean_norm"), 384, true),
+        ("plain".into(), minilm().display().to_string(), 384, false),
+        ("cls".into(), fixture("st_cls"), 384, false),
+        ("max".into(), fixture("st_max"), 384, false),
+        ("sqrt".into(), fixture("st_mean_sqrt_len"), 384, false),
+        ("last".into(), fixture("st_lasttoken"), 384, false),
+        ("short".into(), fixture("st_mean_norm"), 128, true),
+    ]
+}
+
+#[test]
+fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_numpys_nearest() {
+    let s = Scratch::new();
+    s.write(INGEST, &ingest_yaml());
+    ingest(&s, ROWS);
+    st_model(&s.path().join("st_mean_norm"), "mean", true);
+    for mode in ["cls", "max", "mean_sqrt_len", "lasttoken"] {
+        st_model(&s.path().join(format!("st_{mode}")), mode, false);
+    }
+    let cases = cases(&s);
+    let mut yaml = String::from("name: e\ntables:\n  reviews: { delta: lake/reviews }\n");
+    for (table, ..) in &cases {
+        yaml += &format!("  {table}: {{ delta: lake/{table} }}\n");
+    }
+    yaml += "stages:\n";
+    for (table, model, dims, _) in &cases {
+        let dims = if *dims == 384 {
+            String::new()
+        } else {
+            format!(", dims: {dims}")
+        };
+        yaml += &format!(
+            "  - embed: {{ from: reviews, model: '{model}', keep: [truth], to: {table}{dims} }}\n"
+        );
+    }
+    s.write("e.yaml", &yaml);
+    let reports = s.run_ok(&["e.yaml"]);
+    assert_eq!(reports.len(), cases.len());
+    let pooling: Vec<&str> = reports
+        .iter()
+        .map(|r| r["pooling"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        pooling[0],
+        "modules.json: mean pooling, normalized; 384 dims, normalized"
+    );
+    assert!(
+        pooling[1].starts_with("default: mean pooling"),
+        "{pooling:?}"
+    );
+    assert_eq!(
+        pooling[6],
+        "modules.json: mean pooling, normalized; 128 dims, normalized"
+    );
+    assert!(
+        reports
+            .iter()
+            .all(|r| r["kind"] == "embed" && r["rows_out"] == ROWS as u64),
+        "{reports:?}"
+    );
+
+    let spec: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|(table, model, dims, normalize)| {
+            serde_json::json!({
+                "table": s.path().join("lake").join(table),
+                "model": model,
+                "dims": dims,
+                "normalize": normalize,
+            })
+        })
+        .collect();
+    let reviews = s.path().join("lake/reviews");
+    let compared = python(
+        "embed_reference.py",
+        &[
+            reviews.to_str().expect("utf-8"),
+            &serde_json::Value::from(spec).to_string(),
+        ],
+    );
+    for (case, (table, _, dims, normalize)) in
+        compared.as_array().expect("cases").iter().zip(&cases)
+    {
+        assert_eq!(case["rows"], ROWS as u64, "{table}: {case}");
+        assert_eq!(case["ids_equal"], true, "{table}");
+        // Delta has no fixed-size arrays: a list of `dims` floats.
+        assert_eq!(case["type"], "list<element: float not null>", "{table}");
+        assert_eq!(case["lengths"], serde_json::json!([dims]), "{table}");
+        // fp32 against PyTorch fp32: the same vectors to float32 rounding.
+        let cosine = case["min_cosine"].as_f64().unwrap_or_default();
+        let diff = case["max_abs_diff"].as_f64().unwrap_or(f64::MAX);
+        assert!(cosine >= 0.99999, "{table}: min cosine {cosine}");
+        assert!(diff <= 1e-4, "{table}: max |Δ| {diff}");
+        if *normalize {
+            let norms = &case["norms"];
+            assert!(
+                (norms[0].as_f64().unwrap_or_default() - 1.0).abs() < 1e-5
+                    && (norms[1].as_f64().unwrap_or_default() - 1.0).abs() < 1e-5,
+                "{table}: {norms}"
+            );
+        }
+    }
+
+    // Exact search in SQL: the query's 5 nearest neighbours by cosine distance, as numpy.
+    let first = &compared[0];
+    let query: Vec<String> = first["query"]
+        .as_array()
+        .expect("query")
+        .iter()
+        .map(|v| format!("{}", v.as_f64().unwrap_or_default()))
+        .collect();
+    let sql = format!(
+        "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, [{}]), id LIMIT 5",
+        query.join(", ")
+    );
+    let out = s.pipeline(&["sql", "e.yaml", &sql]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids: Vec<u64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().trim_matches('|').trim().parse().ok())
+        .collect();
+    let nearest: Vec<u64> = first["nearest"]
+        .as_array()
+        .expect("nearest")
+        .iter()
+        .filter_map(serde_json::Value::as_u64)
+        .collect();
+    assert_eq!(ids, nearest);
+    assert_eq!(ids[0], 7);
+
+    // A rerun over the same source version writes nothing.
+    let again = s.run_ok(&["e.yaml"]);
+    assert!(again.iter().all(|r| r["cached"] == true), "{again:?}");
+
+    // Bad settings: exit 2, naming the field.
+    for (extra, want) in [
+        ("dims: 400", "stages[0].embed.dims: 400 is out of range"),
+        (
+            "labels: [a, b]",
+            "stages[0].embed.labels: applies to predict stages",
+        ),
+    ] {
+        s.write(
+            "bad.yaml",
+            &format!(
+                "name: bad\ntables:\n  reviews: {{ delta: lake/reviews }}\n  out: {{ delta: lake/out }}\n\
+                 stages:\n  - embed: {{ from: reviews, model: '{}', to: out, {extra} }}\n",
+                minilm().display()
+            ),
+        );
+        let out = s.pipeline(&["run", "bad.yaml"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(want), "{stderr}");
+    }
+    assert!(!s.path().join("lake/out").exists());
+}
