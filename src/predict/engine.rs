@@ -34,9 +34,10 @@ const QUEUE_WINDOWS: usize = 64;
 /// Rows a replica merges from waiting windows into one.
 const MERGE_ROWS: usize = 8192;
 
-/// A window of tokenized rows waiting for the model.
+/// A window of tokenized rows waiting for the model, and the head it wants.
 struct Job {
     ids: ListArray,
+    head: Arc<Head>,
     reply: tokio::sync::oneshot::Sender<Result<Vec<f32>>>,
 }
 
@@ -49,6 +50,8 @@ const STOP_WAIT: Duration = Duration::from_secs(60);
 pub(crate) struct Engine {
     queue: Mutex<Option<tokio::sync::mpsc::Sender<Job>>>,
     running: Running,
+    /// The head [`Engine::run`] uses.
+    head: Arc<Head>,
 }
 
 /// The number of replica threads still running, and a signal when it changes.
@@ -126,17 +129,17 @@ impl Head {
 }
 
 /// How a replica runs its forward passes.
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct Pass {
     device: Device,
     pad_id: i64,
     batch_tokens: usize,
-    head: Arc<Head>,
 }
 
 impl Engine {
-    /// Loads `replicas` copies of the model in `dir` for `head` and waits until each is
-    /// ready, so a bad model fails before any row is read.
+    /// Loads `replicas` copies of the model in `dir` for `head` (a classifier head needs
+    /// trained weights; an embedding reads the encoder only) and waits until each is ready,
+    /// so a bad model fails before any row is read.
     pub(crate) async fn start(
         dir: &Path,
         config: &ModelConfig,
@@ -156,14 +159,14 @@ impl Engine {
             device,
             pad_id: config.arch.pad_token_id(),
             batch_tokens: settings.batch_tokens,
-            head: Arc::new(head),
         };
+        let head = Arc::new(head);
         let running = Running::default();
         let mut ready = Vec::new();
         for i in 0..replicas {
             let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-            let (rx, config, dir, pass) =
-                (rx.clone(), config.clone(), dir.to_path_buf(), pass.clone());
+            let (rx, config, dir, head) =
+                (rx.clone(), config.clone(), dir.to_path_buf(), head.clone());
             let precision = settings.precision;
             let guard = running.enter();
             // The thread's own result only matters for loading, which is reported on `ready`.
@@ -173,9 +176,8 @@ impl Engine {
                 move || {
                     let _running = guard;
                     tch::set_num_threads(threads as i32);
-                    let loaded = thread::catch(OOM_HINT, || {
-                        load(config, &dir, &pass.head, device, precision)
-                    });
+                    let loaded =
+                        thread::catch(OOM_HINT, || load(config, &dir, &head, device, precision));
                     let model = match loaded {
                         Ok(model) => {
                             let _ = ready_tx.send(Ok(()));
@@ -186,7 +188,7 @@ impl Engine {
                             return Ok(());
                         }
                     };
-                    serve(&model, &rx, &pass);
+                    serve(&model, &rx, pass);
                     Ok(())
                 },
             )?);
@@ -199,6 +201,7 @@ impl Engine {
         Ok(Self {
             queue: Mutex::new(Some(tx)),
             running,
+            head,
         })
     }
 
@@ -206,10 +209,16 @@ impl Engine {
     /// token ids): logits, or sentence vectors. Waits for room in the queue; dropping the
     /// future before it resolves withdraws the window.
     pub(crate) async fn run(&self, ids: ListArray) -> Result<Vec<f32>> {
+        self.run_head(ids, self.head.clone()).await
+    }
+
+    /// As [`Engine::run`], with another head over the same encoder (sentence vectors of a
+    /// classifier's encoder, say).
+    pub(crate) async fn run_head(&self, ids: ListArray, head: Arc<Head>) -> Result<Vec<f32>> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let tx = self.queue.lock().ok().and_then(|q| q.clone());
         let sent = match tx {
-            Some(tx) => tx.send(Job { ids, reply }).await.is_ok(),
+            Some(tx) => tx.send(Job { ids, head, reply }).await.is_ok(),
             None => false,
         };
         if !sent {
@@ -268,8 +277,9 @@ fn load(
 }
 
 /// A replica's loop until the queue closes: takes the next window and whatever else is
-/// waiting (up to [`MERGE_ROWS`] rows), runs them as one, and answers each caller.
-fn serve(model: &Model, queue: &Queue, pass: &Pass) {
+/// waiting (up to [`MERGE_ROWS`] rows), runs those that want the same head as one, and
+/// answers each caller.
+fn serve(model: &Model, queue: &Queue, pass: Pass) {
     loop {
         let jobs = match queue.lock() {
             Ok(mut rx) => {
@@ -288,36 +298,45 @@ fn serve(model: &Model, queue: &Queue, pass: &Pass) {
             Err(_) => return,
         };
         // Callers that went away (a cancelled query) need no answer.
-        let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
-        if jobs.is_empty() {
-            continue;
+        let mut jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
+        while !jobs.is_empty() {
+            let head = jobs[0].head.clone();
+            let (same, rest): (Vec<Job>, Vec<Job>) =
+                jobs.into_iter().partition(|j| Arc::ptr_eq(&j.head, &head));
+            jobs = rest;
+            run_jobs(model, same, &head, pass);
         }
-        let mut jobs = jobs;
-        if jobs.len() == 1 {
-            let job = jobs.remove(0);
-            let gone = || job.reply.is_closed();
-            let result = thread::catch(OOM_HINT, || window_outputs(model, &job.ids, pass, &gone));
-            let _ = job.reply.send(result);
-            continue;
-        }
-        let windows: Vec<&dyn Array> = jobs.iter().map(|j| &j.ids as &dyn Array).collect();
-        let result = arrow::compute::concat(&windows)
-            .map_err(|e| Error::Internal(format!("merging windows: {e}")))
-            .and_then(|merged| {
-                let ids = merged.as_list::<i32>();
-                let gone = || jobs.iter().all(|j| j.reply.is_closed());
-                thread::catch(OOM_HINT, || window_outputs(model, ids, pass, &gone))
-            });
-        let mut start = 0;
-        for job in jobs {
-            let n = job.ids.len() * pass.head.width();
-            let answer = match &result {
-                Ok(logits) => Ok(logits[start..start + n].to_vec()),
-                Err(e) => Err(Error::Model(e.to_string())),
-            };
-            start += n;
-            let _ = job.reply.send(answer);
-        }
+    }
+}
+
+/// Runs windows that want one head as one, and answers each caller.
+fn run_jobs(model: &Model, mut jobs: Vec<Job>, head: &Head, pass: Pass) {
+    if jobs.len() == 1 {
+        let job = jobs.remove(0);
+        let gone = || job.reply.is_closed();
+        let result = thread::catch(OOM_HINT, || {
+            window_outputs(model, &job.ids, head, pass, &gone)
+        });
+        let _ = job.reply.send(result);
+        return;
+    }
+    let windows: Vec<&dyn Array> = jobs.iter().map(|j| &j.ids as &dyn Array).collect();
+    let result = arrow::compute::concat(&windows)
+        .map_err(|e| Error::Internal(format!("merging windows: {e}")))
+        .and_then(|merged| {
+            let ids = merged.as_list::<i32>();
+            let gone = || jobs.iter().all(|j| j.reply.is_closed());
+            thread::catch(OOM_HINT, || window_outputs(model, ids, head, pass, &gone))
+        });
+    let mut start = 0;
+    for job in jobs {
+        let n = job.ids.len() * head.width();
+        let answer = match &result {
+            Ok(values) => Ok(values[start..start + n].to_vec()),
+            Err(e) => Err(Error::Model(e.to_string())),
+        };
+        start += n;
+        let _ = job.reply.send(answer);
     }
 }
 
@@ -327,10 +346,11 @@ fn serve(model: &Model, queue: &Queue, pass: &Pass) {
 fn window_outputs(
     model: &Model,
     ids: &ListArray,
-    pass: &Pass,
+    head: &Head,
+    pass: Pass,
     gone: &dyn Fn() -> bool,
 ) -> Result<Vec<f32>> {
-    let width = pass.head.width();
+    let width = head.width();
     let _no_grad = tch::no_grad_guard();
     let offsets = ids.value_offsets();
     let values = ids.values().as_primitive::<Int32Type>().values();
@@ -359,8 +379,7 @@ fn window_outputs(
             }
         }
         let shape = [take as i64, longest as i64];
-        let output = pass
-            .head
+        let output = head
             .run(
                 model,
                 &Tensor::from_slice(&input)

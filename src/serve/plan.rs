@@ -1,5 +1,6 @@
 //! Checks a pipeline file's `serve:` section before anything binds or loads: the address,
-//! the models (trained classifiers with `id2label`), the users file, TLS files and limits.
+//! the models (trained classifiers with `id2label`, or encoders whose only function is
+//! `embed`), the users file, TLS files and limits.
 //! Every error names the field and says what to do.
 
 use std::collections::BTreeMap;
@@ -11,7 +12,7 @@ use super::auth::Auth;
 use crate::config::{ServeSpec, parse_duration};
 use crate::model::ModelConfig;
 use crate::plan::{Inference, Pipeline, inference_settings, model_labels};
-use crate::predict::PredictSettings;
+use crate::predict::{Pooling, PredictSettings};
 
 /// Rows the engine reads per window for served models (a query's batch is smaller).
 const SERVE_BATCH_ROWS: usize = 8192;
@@ -33,7 +34,10 @@ pub(crate) struct ServedModel {
     pub name: String,
     pub dir: PathBuf,
     pub config: ModelConfig,
+    /// Empty for a model without `id2label`: it serves `embed` only.
     pub labels: Vec<String>,
+    /// How `embed` pools its hidden states (sentence-transformers' modules, else mean).
+    pub pooling: Pooling,
     pub device: tch::Device,
     pub settings: PredictSettings,
     /// `predict()` is this model.
@@ -94,7 +98,11 @@ impl ServeConfig {
                     dir.display()
                 ));
             }
-            let labels = model_labels(&dir, &config, None).map_err(|e| format!("{f}: {e}"))?;
+            let labels = match config.labels().map_err(|e| format!("{f}: {e}"))? {
+                Some(_) => model_labels(&dir, &config, None).map_err(|e| format!("{f}: {e}"))?,
+                None => Vec::new(),
+            };
+            let pooling = Pooling::read(&dir).map_err(|e| format!("{f}: {e}"))?;
             let (device, settings) = inference_settings(
                 &f,
                 &config,
@@ -115,6 +123,7 @@ impl ServeConfig {
                 dir,
                 config,
                 labels,
+                pooling,
                 device,
                 settings,
                 default: m.default,

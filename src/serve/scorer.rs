@@ -1,6 +1,7 @@
-//! One served model: its tokenizer, the shared prediction [`Engine`], and a cache of recent
-//! texts' probabilities, so `predict(text)` and `predict_score(text)` in one query (or the
-//! same text asked again) run the model once.
+//! One served model: its tokenizer, the shared [`Engine`], and a cache of recent texts'
+//! probabilities and sentence vectors, so `predict(text)` and `predict_score(text)` in one
+//! query, the same text asked again, or the one query text of a search
+//! (`ORDER BY cosine_distance(embedding, embed('...'))`) run the model once.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -45,12 +46,24 @@ impl Scores {
     }
 }
 
+/// Sentence vectors of a column of texts.
+pub(crate) struct Vectors {
+    /// `[rows, dims]`, row-major; rows with a null text hold zeros.
+    pub values: Vec<f32>,
+    /// Null where the text was null.
+    pub nulls: Option<NullBuffer>,
+    pub dims: usize,
+}
+
 /// A model behind SQL functions and DoExchange.
 pub(crate) struct Scorer {
     pub name: String,
+    /// Empty for an encoder without a classification head: it serves `embed` only.
     pub labels: Vec<String>,
     encoder: Arc<Encoder>,
     engine: Engine,
+    /// What `embed` runs: the model's pooling, normalized as its modules say.
+    embed_head: Arc<Head>,
     cache: Mutex<Cache>,
 }
 
@@ -87,11 +100,12 @@ impl Cache {
 }
 
 /// The cache key of a text, or of a text and its pair (the text's length is part of the key,
-/// so no two different pairs share one).
-fn key(text: &str, pair: Option<&str>) -> String {
+/// so no two different pairs share one), for one kind of output (`p`robabilities or
+/// `e`mbedding).
+fn key(kind: char, text: &str, pair: Option<&str>) -> String {
     match pair {
-        None => format!("1{text}"),
-        Some(p) => format!("2{}\u{0}{text}{p}", text.len()),
+        None => format!("{kind}1{text}"),
+        Some(p) => format!("{kind}2{}\u{0}{text}{p}", text.len()),
     }
 }
 
@@ -108,22 +122,40 @@ impl Scorer {
                 add_special_tokens: true,
             },
         )?;
-        let engine = Engine::start(
-            &model.dir,
-            &model.config,
+        let hidden = usize::try_from(model.config.arch.hidden_size()).unwrap_or(0);
+        let embed_head = Arc::new(Head::Embed {
+            pooling: Arc::new(model.pooling.clone()),
+            dims: model.pooling.width(hidden),
+            normalize: model.pooling.normalize,
+        });
+        let head = if model.labels.is_empty() {
+            embed_head.as_ref().clone()
+        } else {
             Head::Classify {
                 classes: model.labels.len(),
-            },
-            model.device,
-            s,
-        )
-        .await?;
+            }
+        };
+        let engine = Engine::start(&model.dir, &model.config, head, model.device, s).await?;
         Ok(Self {
             name: model.name.clone(),
             labels: model.labels.clone(),
             encoder: Arc::new(encoder),
             engine,
+            embed_head,
             cache: Mutex::new(Cache::default()),
+        })
+    }
+
+    /// The sentence vector of each row of `texts` (any string type); a null text gives a
+    /// null row.
+    pub(crate) async fn embed(&self, texts: &ArrayRef) -> Result<Vectors> {
+        let (values, nulls, dims) = self
+            .outputs(texts, None, 'e', self.embed_head.clone(), |v, _| v)
+            .await?;
+        Ok(Vectors {
+            values,
+            nulls,
+            dims,
         })
     }
 
@@ -131,6 +163,39 @@ impl Scorer {
     /// type; a null text gives a null row. Texts longer than the model's `max_length` are
     /// truncated, as the predict stage does.
     pub(crate) async fn score(&self, texts: &ArrayRef, pairs: Option<&ArrayRef>) -> Result<Scores> {
+        if self.labels.is_empty() {
+            return Err(Error::Model(format!(
+                "model `{}` has no classification head (its config.json has no id2label), so \
+                 it serves embed() only",
+                self.name
+            )));
+        }
+        let head = Arc::new(Head::Classify {
+            classes: self.labels.len(),
+        });
+        let (probabilities, nulls, classes) = self
+            .outputs(texts, pairs, 'p', head, |logits, classes| {
+                softmax(&logits, classes).probabilities
+            })
+            .await?;
+        Ok(Scores {
+            probabilities,
+            nulls,
+            classes,
+        })
+    }
+
+    /// `head`'s output of each row, `finish`ed (logits into probabilities, say): each
+    /// distinct text runs once, and texts in the cache (under `kind`) not at all.
+    async fn outputs(
+        &self,
+        texts: &ArrayRef,
+        pairs: Option<&ArrayRef>,
+        kind: char,
+        head: Arc<Head>,
+        finish: fn(Vec<f32>, usize) -> Vec<f32>,
+    ) -> Result<(Vec<f32>, Option<NullBuffer>, usize)> {
+        let width = head.width();
         let utf8 = |a: &ArrayRef| {
             arrow::compute::cast(a, &DataType::Utf8)
                 .map_err(|e| Error::Data(format!("the text argument is not a string: {e}")))
@@ -140,7 +205,6 @@ impl Scorer {
         let pairs = pairs.map(utf8).transpose()?;
         let pairs = pairs.as_ref().map(|p| p.as_string::<i32>());
         let rows = texts.len();
-        let classes = self.labels.len();
         let nulls = NullBuffer::union(texts.nulls(), pairs.and_then(|p| p.nulls()));
         let valid = |r: usize| nulls.as_ref().is_none_or(|n| n.is_valid(r));
 
@@ -155,7 +219,7 @@ impl Scorer {
                 .lock()
                 .map_err(|_| Error::Internal("the score cache is poisoned".into()))?;
             for r in (0..rows).filter(|&r| valid(r)) {
-                let k = key(texts.value(r), pairs.map(|p| p.value(r)));
+                let k = key(kind, texts.value(r), pairs.map(|p| p.value(r)));
                 if let Some(p) = cache.get(&k) {
                     found[r] = Some(p);
                 } else {
@@ -190,12 +254,8 @@ impl Scorer {
                 None,
             )
             .map_err(|e| Error::Internal(format!("input_ids: {e}")))?;
-            let logits = self.engine.run(ids).await?;
-            let probabilities = softmax(&logits, classes).probabilities;
-            computed = probabilities
-                .chunks_exact(classes)
-                .map(Arc::<[f32]>::from)
-                .collect();
+            let values = finish(self.engine.run_head(ids, head).await?, width);
+            computed = values.chunks_exact(width).map(Arc::<[f32]>::from).collect();
             let mut cache = self
                 .cache
                 .lock()
@@ -204,19 +264,15 @@ impl Scorer {
                 cache.insert(k, computed[slot].clone());
             }
         }
-        let mut probabilities = vec![0f32; rows * classes];
+        let mut out = vec![0f32; rows * width];
         for r in 0..rows {
             let p = match (&found[r], slot_of[r]) {
                 (Some(p), _) => p.as_ref(),
                 (None, Some(slot)) => computed[slot].as_ref(),
                 (None, None) => continue,
             };
-            probabilities[r * classes..(r + 1) * classes].copy_from_slice(p);
+            out[r * width..(r + 1) * width].copy_from_slice(p);
         }
-        Ok(Scores {
-            probabilities,
-            nulls,
-            classes,
-        })
+        Ok((out, nulls, width))
     }
 }

@@ -1,7 +1,8 @@
 //! The SQL functions of served models, as DataFusion async scalar UDFs: `predict(text)` (the
 //! label), `predict_score(text)` (its probability), `predict_proba(text)` (every class's, in
-//! `id2label` order), and the same under each model's own name. Each takes an optional
-//! second argument, the text pair.
+//! `id2label` order), `embed(text)` (the sentence vector), and the same under each model's
+//! own name (`<model>_embed`). The predict functions take an optional second argument, the
+//! text pair. A model without a classification head has `embed` only.
 //!
 //! DataFusion runs async functions in projections and filters only. [`lift_async_calls`]
 //! moves calls out of `GROUP BY` and `ORDER BY` into a projection below them, and
@@ -37,16 +38,21 @@ pub(crate) enum Output {
     Label,
     Score,
     Proba,
+    Embed,
 }
 
 impl Output {
-    const ALL: [Output; 3] = [Output::Label, Output::Score, Output::Proba];
+    const ALL: [Output; 4] = [Output::Label, Output::Score, Output::Proba, Output::Embed];
 
-    fn suffix(self) -> &'static str {
+    /// The function's name for a model's `prefix` (`predict` for the default model, whose
+    /// vector function is plain `embed`).
+    fn name(self, prefix: &str) -> String {
         match self {
-            Output::Label => "",
-            Output::Score => "_score",
-            Output::Proba => "_proba",
+            Output::Label => prefix.to_string(),
+            Output::Score => format!("{prefix}_score"),
+            Output::Proba => format!("{prefix}_proba"),
+            Output::Embed if prefix == "predict" => "embed".into(),
+            Output::Embed => format!("{prefix}_embed"),
         }
     }
 }
@@ -83,7 +89,7 @@ impl ScalarUDFImpl for ModelFunction {
         Ok(match self.output {
             Output::Label => DataType::Utf8,
             Output::Score => DataType::Float32,
-            Output::Proba => float_list(),
+            Output::Proba | Output::Embed => float_list(),
         })
     }
     fn invoke_with_args(&self, _args: ScalarFunctionArgs) -> Result<ColumnarValue> {
@@ -110,6 +116,22 @@ impl AsyncScalarUDFImpl for ModelFunction {
             [t, p] => (t, Some(p)),
             _ => return plan_err!("{}() takes a text, or a text and its pair", self.name),
         };
+        if self.output == Output::Embed {
+            if pairs.is_some() {
+                return plan_err!("{}() takes one text", self.name);
+            }
+            let v = self
+                .scorer
+                .embed(texts)
+                .await
+                .map_err(|e| DataFusionError::External(Box::new(e)))?;
+            return Ok(ColumnarValue::Array(Arc::new(ListArray::new(
+                Arc::new(Field::new_list_field(DataType::Float32, false)),
+                OffsetBuffer::from_lengths(std::iter::repeat_n(v.dims, rows)),
+                Arc::new(Float32Array::from(v.values)),
+                v.nulls,
+            ))));
+        }
         let scores = self
             .scorer
             .score(texts, pairs)
@@ -131,7 +153,7 @@ impl AsyncScalarUDFImpl for ModelFunction {
                 let (_, best) = scores.best();
                 Arc::new(Float32Array::new(best.into(), nulls))
             }
-            Output::Proba => Arc::new(ListArray::new(
+            Output::Proba | Output::Embed => Arc::new(ListArray::new(
                 Arc::new(Field::new_list_field(DataType::Float32, false)),
                 OffsetBuffer::from_lengths(std::iter::repeat_n(scores.classes, rows)),
                 Arc::new(Float32Array::from(scores.probabilities)),
@@ -146,9 +168,10 @@ impl AsyncScalarUDFImpl for ModelFunction {
 pub(crate) fn functions(prefix: &str, scorer: &Arc<Scorer>) -> Vec<ScalarUDF> {
     Output::ALL
         .into_iter()
+        .filter(|o| *o == Output::Embed || !scorer.labels.is_empty())
         .map(|output| {
             let f = ModelFunction {
-                name: format!("{prefix}{}", output.suffix()),
+                name: output.name(prefix),
                 output,
                 scorer: scorer.clone(),
                 // Volatile: never folded into a constant at planning time (the model runs only

@@ -189,6 +189,52 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
     assert_eq!(ids, nearest);
     assert_eq!(ids[0], 7);
 
+    // `pipeline serve`, through ADBC's Flight SQL driver: `<model>_embed(text)` gives the
+    // stage's vectors, and a search embeds its query text once and finds numpy's nearest.
+    s.write(
+        "serve.yaml",
+        &format!(
+            "name: served\ntables:\n  reviews: {{ delta: lake/reviews }}\n  \
+             mean_norm: {{ delta: lake/mean_norm }}\n\
+             serve:\n  listen: 127.0.0.1:0\n  auth: {{ tokens: ['${{LAKEML_TOKEN}}'] }}\n  \
+             models:\n    minilm: {{ path: '{}' }}\n",
+            s.path().join("st_mean_norm").display()
+        ),
+    );
+    let served = crate::serving::Server::start(&s, "serve.yaml");
+    let query = |sql: &str| {
+        let out = python(
+            "flight_query.py",
+            &[&served.uri, "--token", crate::serving::TOKEN, sql],
+        );
+        out["results"][0]["rows"]
+            .as_array()
+            .cloned()
+            .unwrap_or_else(|| panic!("{sql}: {out}"))
+    };
+    let worst = query(
+        "SELECT min(c) FROM (SELECT cosine_similarity(e.embedding, minilm_embed(r.text)) AS c \
+         FROM mean_norm e JOIN reviews r ON e.id = r.id) t",
+    );
+    let worst = worst[0][0].as_f64().unwrap_or_default();
+    assert!(
+        worst >= 0.99999,
+        "served vectors vs the stage's: min cosine {worst}"
+    );
+    let text = query("SELECT text FROM reviews WHERE id = 7")[0][0]
+        .as_str()
+        .expect("text")
+        .replace('\'', "''");
+    let found: Vec<u64> = query(&format!(
+        "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, embed('{text}')), id \
+         LIMIT 5"
+    ))
+    .iter()
+    .filter_map(|r| r[0].as_u64())
+    .collect();
+    assert_eq!(found, nearest, "served search");
+    served.stop();
+
     // A rerun over the same source version writes nothing.
     let again = s.run_ok(&["e.yaml"]);
     assert!(again.iter().all(|r| r["cached"] == true), "{again:?}");
