@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, minilm, python};
+use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, python};
 use crate::serving::{
     LABELS, PREDICT, PREDICT_YAML, Server, TOKEN, assert_same_predictions, predictions,
 };
@@ -654,6 +654,24 @@ fn bad_serve_settings_exit_2_naming_the_field() {
     s.write("reviews.csv", "id,text\n1,great film\n2,dull\n");
     // Only the certificate is missing: the key file exists (its content is never reached).
     s.write("key.pem", "not a key\n");
+    // A sentence-transformers model whose modules lakeml does not run (a Dense projection).
+    std::fs::create_dir_all(s.path().join("dense")).expect("mkdir");
+    for entry in std::fs::read_dir(s.path().join("model"))
+        .expect("model")
+        .flatten()
+    {
+        std::fs::copy(entry.path(), s.path().join("dense").join(entry.file_name())).expect("copy");
+    }
+    s.write(
+        "dense/modules.json",
+        r#"[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]"#,
+    );
+    s.write(
+        "dense/1_Pooling/config.json",
+        r#"{"pooling_mode_mean_tokens": true}"#,
+    );
     let pipeline =
         |serve: &str| format!("name: s\ntables:\n  reviews: {{ csv: reviews.csv }}\n{serve}");
     let auth = "  auth:\n    tokens: [\"${LAKEML_TOKEN}\"]\n";
@@ -664,12 +682,12 @@ fn bad_serve_settings_exit_2_naming_the_field() {
             &["serve.models.sentiment", "nosuch"],
         ),
         (
-            "model without id2label",
-            format!(
-                "serve:\n  listen: 127.0.0.1:0\n  models:\n    sentiment: {}\n{auth}",
-                minilm().display()
-            ),
-            &["serve.models.sentiment", "id2label"],
+            "sentence-transformers module lakeml does not run",
+            format!("serve:\n  listen: 127.0.0.1:0\n  models:\n    sentiment: dense\n{auth}"),
+            &[
+                "serve.models.sentiment",
+                "sentence_transformers.models.Dense",
+            ],
         ),
         (
             "unreadable TLS certificate",
