@@ -3,8 +3,9 @@
 //!
 //! The first message's descriptor is a JSON command:
 //! `{"model": "sentiment", "text": "text", "text_pair": null, "columns": ["label", ...]}`
-//! (`model` defaults to the default model, `text` to `text`, `columns` to all four:
-//! `label`, `label_id`, `score`, `probabilities`).
+//! (`model` defaults to the default model, `text` to `text`, `columns` to the four
+//! prediction columns `label`, `label_id`, `score`, `probabilities`, or for a model without
+//! a classification head to `embedding`, the sentence vector, which any model can append).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,7 +29,7 @@ use crate::predict::float_list;
 /// Input batches scored at once while earlier ones are sent back.
 const IN_FLIGHT: usize = 2;
 
-const COLUMNS: [&str; 4] = ["label", "label_id", "score", "probabilities"];
+const COLUMNS: [&str; 5] = ["label", "label_id", "score", "probabilities", "embedding"];
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -90,10 +91,14 @@ pub(super) async fn exchange(
             )
         })
     })?;
-    let columns = command
-        .columns
-        .clone()
-        .unwrap_or_else(|| COLUMNS.iter().map(|c| c.to_string()).collect());
+    let columns = command.columns.clone().unwrap_or_else(|| {
+        let defaults = if scorer.labels.is_empty() {
+            &COLUMNS[4..]
+        } else {
+            &COLUMNS[..4]
+        };
+        defaults.iter().map(|c| c.to_string()).collect()
+    });
     if let Some(bad) = columns.iter().find(|c| !COLUMNS.contains(&c.as_str())) {
         return Err(Status::invalid_argument(format!(
             "DoExchange: unknown output column `{bad}`; choose from {}",
@@ -161,13 +166,31 @@ async fn score(
     };
     let texts = text_column(&command.text)?;
     let pairs = command.text_pair.as_deref().map(text_column).transpose()?;
-    let scores = scorer
-        .score(&texts, pairs.as_ref())
-        .await
-        .map_err(|e| FlightError::Tonic(Box::new(Status::internal(e.to_string()))))?;
+    let columns = command.columns.iter().flatten();
+    let failed = |e: crate::error::Error| match e {
+        crate::error::Error::Model(m) if scorer.labels.is_empty() => {
+            invalid(format!("DoExchange: {m}"))
+        }
+        e => FlightError::Tonic(Box::new(Status::internal(e.to_string()))),
+    };
+    let scores = if columns.clone().any(|c| c != "embedding") {
+        Some(scorer.score(&texts, pairs.as_ref()).await.map_err(failed)?)
+    } else {
+        None
+    };
+    let vectors = if columns.clone().any(|c| c == "embedding") {
+        if pairs.is_some() {
+            return Err(invalid(
+                "DoExchange: `embedding` takes one text; drop \"text_pair\"".into(),
+            ));
+        }
+        Some(scorer.embed(&texts).await.map_err(failed)?)
+    } else {
+        None
+    };
     let rows = batch.num_rows();
-    let (ids, best) = scores.best();
-    let nulls = scores.nulls.clone();
+    let (ids, best) = scores.as_ref().map(|s| s.best()).unwrap_or_default();
+    let nulls = scores.as_ref().and_then(|s| s.nulls.clone());
     let valid = |r: usize| nulls.as_ref().is_none_or(|n| n.is_valid(r));
     let mut fields: Vec<Arc<Field>> = batch.schema().fields().iter().cloned().collect();
     let mut arrays: Vec<ArrayRef> = batch.columns().to_vec();
@@ -193,15 +216,34 @@ async fn score(
                 DataType::Float32,
                 Arc::new(Float32Array::new(best.clone().into(), nulls.clone())),
             ),
-            _ => (
-                float_list(),
-                Arc::new(ListArray::new(
-                    Arc::new(Field::new_list_field(DataType::Float32, false)),
-                    OffsetBuffer::from_lengths(std::iter::repeat_n(scores.classes, rows)),
-                    Arc::new(Float32Array::from(scores.probabilities.clone())),
-                    nulls.clone(),
-                )),
-            ),
+            "embedding" => {
+                let Some(v) = &vectors else {
+                    return Err(invalid("DoExchange: no vectors were made".into()));
+                };
+                (
+                    float_list(),
+                    Arc::new(ListArray::new(
+                        Arc::new(Field::new_list_field(DataType::Float32, false)),
+                        OffsetBuffer::from_lengths(std::iter::repeat_n(v.dims, rows)),
+                        Arc::new(Float32Array::from(v.values.clone())),
+                        v.nulls.clone(),
+                    )),
+                )
+            }
+            _ => {
+                let Some(scores) = &scores else {
+                    return Err(invalid("DoExchange: no probabilities were made".into()));
+                };
+                (
+                    float_list(),
+                    Arc::new(ListArray::new(
+                        Arc::new(Field::new_list_field(DataType::Float32, false)),
+                        OffsetBuffer::from_lengths(std::iter::repeat_n(scores.classes, rows)),
+                        Arc::new(Float32Array::from(scores.probabilities.clone())),
+                        nulls.clone(),
+                    )),
+                )
+            }
         };
         fields.push(Arc::new(Field::new(name, data_type, true)));
         arrays.push(array);

@@ -1,7 +1,8 @@
 //! The `embed` stage on real data (Rotten Tomatoes, MiniLM) against sentence-transformers'
 //! `model.encode` of the same texts and model: every pooling mode sentence-transformers
 //! configures, a model without its files, Matryoshka truncation; exactly once on rerun; a
-//! nearest-neighbour search in SQL equal to numpy's; bad settings refused.
+//! nearest-neighbour search in SQL equal to numpy's, in `pipeline sql` and over Flight SQL
+//! with `embed('...')`; `lakeml_spark.embed` from Spark with failover; bad settings refused.
 
 use std::path::Path;
 
@@ -51,17 +52,37 @@ fn st_model(dir: &Path, mode: &str, normalize: bool) {
     .expect("write");
 }
 
-/// (table, model directory, dims, normalize) of each embed stage of the test's pipeline.
-fn cases(s: &Scratch) -> Vec<(String, String, usize, bool)> {
+/// (table, model directory, dims, normalize, precision) of each embed stage of the test's
+/// pipeline.
+fn cases(s: &Scratch) -> Vec<(String, String, usize, bool, &'static str)> {
     let fixture = |name: &str| s.path().join(name).display().to_string();
     vec![
-        ("mean_norm".into(), fixture("st_mean_norm"), 384, true),
-        ("plain".into(), minilm().display().to_string(), 384, false),
-        ("cls".into(), fixture("st_cls"), 384, false),
-        ("max".into(), fixture("st_max"), 384, false),
-        ("sqrt".into(), fixture("st_mean_sqrt_len"), 384, false),
-        ("last".into(), fixture("st_lasttoken"), 384, false),
-        ("short".into(), fixture("st_mean_norm"), 128, true),
+        (
+            "mean_norm".into(),
+            fixture("st_mean_norm"),
+            384,
+            true,
+            "fp32",
+        ),
+        (
+            "plain".into(),
+            minilm().display().to_string(),
+            384,
+            false,
+            "fp32",
+        ),
+        ("cls".into(), fixture("st_cls"), 384, false, "fp32"),
+        ("max".into(), fixture("st_max"), 384, false, "fp32"),
+        (
+            "sqrt".into(),
+            fixture("st_mean_sqrt_len"),
+            384,
+            false,
+            "fp32",
+        ),
+        ("last".into(), fixture("st_lasttoken"), 384, false, "fp32"),
+        ("short".into(), fixture("st_mean_norm"), 128, true, "fp32"),
+        ("half".into(), fixture("st_mean_norm"), 384, true, "bf16"),
     ]
 }
 
@@ -80,14 +101,15 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
         yaml += &format!("  {table}: {{ delta: lake/{table} }}\n");
     }
     yaml += "stages:\n";
-    for (table, model, dims, _) in &cases {
+    for (table, model, dims, _, precision) in &cases {
         let dims = if *dims == 384 {
             String::new()
         } else {
             format!(", dims: {dims}")
         };
         yaml += &format!(
-            "  - embed: {{ from: reviews, model: '{model}', keep: [truth], to: {table}{dims} }}\n"
+            "  - embed: {{ from: reviews, model: '{model}', keep: [truth], to: {table}{dims}, \
+             precision: {precision} }}\n"
         );
     }
     s.write("e.yaml", &yaml);
@@ -118,7 +140,7 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
 
     let spec: Vec<serde_json::Value> = cases
         .iter()
-        .map(|(table, model, dims, normalize)| {
+        .map(|(table, model, dims, normalize, _)| {
             serde_json::json!({
                 "table": s.path().join("lake").join(table),
                 "model": model,
@@ -135,7 +157,7 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
             &serde_json::Value::from(spec).to_string(),
         ],
     );
-    for (case, (table, _, dims, normalize)) in
+    for (case, (table, _, dims, normalize, precision)) in
         compared.as_array().expect("cases").iter().zip(&cases)
     {
         assert_eq!(case["rows"], ROWS as u64, "{table}: {case}");
@@ -143,11 +165,16 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
         // Delta has no fixed-size arrays: a list of `dims` floats.
         assert_eq!(case["type"], "list<element: float not null>", "{table}");
         assert_eq!(case["lengths"], serde_json::json!([dims]), "{table}");
-        // fp32 against PyTorch fp32: the same vectors to float32 rounding.
         let cosine = case["min_cosine"].as_f64().unwrap_or_default();
         let diff = case["max_abs_diff"].as_f64().unwrap_or(f64::MAX);
-        assert!(cosine >= 0.99999, "{table}: min cosine {cosine}");
-        assert!(diff <= 1e-4, "{table}: max |Δ| {diff}");
+        if *precision == "fp32" {
+            // fp32 against PyTorch fp32: the same vectors to float32 rounding.
+            assert!(cosine >= 0.99999, "{table}: min cosine {cosine}");
+            assert!(diff <= 1e-4, "{table}: max |Δ| {diff}");
+        } else {
+            // bf16 weights and activations (8-bit mantissa) against fp32.
+            assert!(cosine >= 0.999, "{table}: min cosine {cosine}");
+        }
         if *normalize {
             let norms = &case["norms"];
             assert!(
@@ -157,6 +184,17 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
             );
         }
     }
+
+    // bf16's neighbours: every row as a query, its 10 nearest by bf16 vectors against fp32's.
+    // Measured 98.8% here (7 of 600 neighbours differ, all near rank 10); the issue's goal
+    // is 99%, not met yet: this guards against a regression below 98%.
+    let half = &compared[7];
+    let overlap = half["top10_overlap_with_fp32"].as_f64().unwrap_or_default();
+    assert!(overlap >= 0.98, "bf16 top-10 overlap with fp32: {half}");
+    eprintln!(
+        "bf16: min cosine to fp32 {}, to sentence-transformers fp32 {}, top-10 overlap {overlap}",
+        half["min_cosine_to_fp32"], half["min_cosine"]
+    );
 
     // Exact search in SQL: the query's 5 nearest neighbours by cosine distance, as numpy.
     let first = &compared[0];
@@ -233,6 +271,34 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
     .filter_map(|r| r[0].as_u64())
     .collect();
     assert_eq!(found, nearest, "served search");
+
+    // lakeml_spark.embed from Spark local[2], a dead endpoint first: every review gets the
+    // stage's vector, through the failover.
+    let out = std::process::Command::new(crate::common::env_path("LAKEML_PYTHON"))
+        .arg(crate::common::repo().join("tests/py/spark_embed.py"))
+        .args([
+            served.uri.as_str(),
+            crate::serving::TOKEN,
+            s.path().join("lake/reviews").to_str().expect("utf-8"),
+            s.path().join("lake/mean_norm").to_str().expect("utf-8"),
+        ])
+        .env("PYTHONPATH", crate::common::repo().join("python/src"))
+        .current_dir(s.path())
+        .output()
+        .expect("spark_embed.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "spark_embed.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let spark: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default()).expect("json");
+    let ids: Vec<u64> = (1..=ROWS as u64).collect();
+    assert_eq!(spark["ids"], serde_json::json!(ids), "{spark}");
+    assert_eq!(spark["type"], "array<float>", "{spark}");
+    let cosine = spark["min_cosine"].as_f64().unwrap_or_default();
+    assert!(cosine >= 0.99999, "Spark vs the stage: min cosine {cosine}");
     served.stop();
 
     // A rerun over the same source version writes nothing.

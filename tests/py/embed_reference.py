@@ -5,7 +5,8 @@ usage: embed_reference.py REVIEWS_TABLE CASES_JSON
 CASES_JSON: [{"table": path, "model": dir, "dims": n, "normalize": bool}, ...]
 prints JSON: per case the rows, ids_equal, min_cosine, max_abs_diff, the arrow type of
 `embedding`; and for the first case the vector of id 7 and numpy's 5 nearest ids to it by
-cosine distance (ties by id).
+cosine distance (ties by id); for a table named `half` (the first case in bf16), the
+cosine to the first case's vectors and the top-10 overlap of every row's neighbours.
 """
 import json
 import sys
@@ -19,6 +20,7 @@ def main() -> None:
     reviews = deltalake.DeltaTable(sys.argv[1]).to_pyarrow_table().to_pylist()
     text = {r["id"]: r["text"] for r in reviews}
     out = []
+    out_vectors = []  # the first case's vectors: the fp32 reference of the bf16 case
     for case in json.loads(sys.argv[2]):
         table = deltalake.DeltaTable(case["table"]).to_pyarrow_table()
         kind = str(table.schema.field("embedding").type)
@@ -43,7 +45,20 @@ def main() -> None:
             "norms": [float(np.linalg.norm(ours, axis=1).min()),
                       float(np.linalg.norm(ours, axis=1).max())],
         }
+        if out and case["table"].endswith("half"):
+            fp32 = out_vectors[0]
+
+            def top10(v):
+                s = v @ v.T
+                return [set(np.argsort(-row, kind="stable")[:10]) for row in s]
+
+            a, b = top10(ours), top10(fp32)
+            result["top10_overlap_with_fp32"] = float(
+                sum(len(x & y) for x, y in zip(a, b)) / (10 * len(a)))
+            result["min_cosine_to_fp32"] = float(((ours * fp32).sum(1) / (
+                np.linalg.norm(ours, axis=1) * np.linalg.norm(fp32, axis=1))).min())
         if not out:
+            out_vectors.append(ours)
             q = ours[ids.index(7)]
             distance = 1.0 - (ours @ q) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(q))
             order = sorted(range(len(ids)), key=lambda j: (distance[j], ids[j]))

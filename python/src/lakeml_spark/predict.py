@@ -276,6 +276,31 @@ def predict(df, text: str = "text", model: str | None = None, endpoints=None,
     with backoff * 2**retry seconds between them. The output schema comes from a worker (one
     row of empty text is sent on the driver), not from this code.
     """
+    if columns:
+        unknown = [c for c in columns if c not in PREDICTED]
+        if unknown:
+            raise ValueError(f"predict(): unknown columns {unknown}; the worker appends "
+                             f"{', '.join(PREDICTED)}")
+    return _exchange("predict", df, text, model, endpoints, token, text_pair,
+                     list(columns) if columns else list(PREDICTED), batch_rows, timeout,
+                     fail_on_error, retries, backoff)
+
+
+def embed(df, text: str = "text", model: str | None = None, endpoints=None,
+          token: str | None = None, *, batch_rows: int = 8192, timeout: float = 600.0,
+          fail_on_error: bool = True, retries: int = 3, backoff: float = 0.5):
+    """`df` with the worker's sentence vector of `text` appended as `embedding`
+    (array<float>), plus `error` when fail_on_error is False: the model's pooling, as the
+    `embed` stage and `embed(text)` in SQL make it. Endpoints, failover, retries and batching
+    are predict()'s.
+    """
+    return _exchange("embed", df, text, model, endpoints, token, None, ["embedding"],
+                     batch_rows, timeout, fail_on_error, retries, backoff)
+
+
+def _exchange(caller, df, text, model, endpoints, token, text_pair, columns, batch_rows,
+              timeout, fail_on_error, retries, backoff):
+    """predict() and embed(): `columns` from the workers, appended to `df` by mapInArrow."""
     from pyspark.sql.pandas.types import from_arrow_type, to_arrow_type
     from pyspark.sql.types import StringType, StructField, StructType
 
@@ -285,17 +310,11 @@ def predict(df, text: str = "text", model: str | None = None, endpoints=None,
                          "backoff not negative")
     for c in [text] + ([text_pair] if text_pair else []):
         if c not in df.columns:
-            raise ValueError(f"predict(): no column `{c}` in the DataFrame (it has "
+            raise ValueError(f"{caller}(): no column `{c}` in the DataFrame (it has "
                              f"{', '.join(df.columns)})")
-    command = {"text": text, "text_pair": text_pair}
+    command = {"text": text, "text_pair": text_pair, "columns": columns}
     if model:
         command["model"] = model
-    if columns:
-        unknown = [c for c in columns if c not in PREDICTED]
-        if unknown:
-            raise ValueError(f"predict(): unknown columns {unknown}; the worker appends "
-                             f"{', '.join(PREDICTED)}")
-        command["columns"] = list(columns)
     sent = [text] + ([text_pair] if text_pair else [])
 
     schema = probe(uris, token, command, sent, min(timeout, 120.0), retries, backoff)
@@ -303,7 +322,7 @@ def predict(df, text: str = "text", model: str | None = None, endpoints=None,
     if not fail_on_error and "error" in df.columns:
         clash.append("error")
     if clash:
-        raise ValueError(f"predict(): the DataFrame already has {clash}, which predict() "
+        raise ValueError(f"{caller}(): the DataFrame already has {clash}, which {caller}() "
                          "appends; rename or drop them first")
     fields = [StructField(f.name, from_arrow_type(_plain(f.type)), True) for f in schema]
     out_types = tuple(to_arrow_type(f.dataType) for f in fields)
