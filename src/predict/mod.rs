@@ -15,8 +15,8 @@ use serde::Serialize;
 
 pub(crate) use engine::{Engine, Head};
 pub(crate) use output::{
-    Meta, embeddings_batch, embeddings_schema, float_list, output_schema, predictions_batch,
-    softmax,
+    Meta, embeddings_batch, embeddings_schema, float_list, float_rows, output_schema,
+    predictions_batch, softmax,
 };
 pub(crate) use pooling::Pooling;
 

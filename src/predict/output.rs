@@ -10,7 +10,7 @@ use arrow::array::{
     ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch, StringArray,
     TimestampMicrosecondArray,
 };
-use arrow::buffer::OffsetBuffer;
+use arrow::buffer::{NullBuffer, OffsetBuffer};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 
 use crate::error::{Error, Result};
@@ -34,6 +34,62 @@ pub(crate) fn float_list() -> DataType {
     DataType::List(Arc::new(Field::new_list_field(DataType::Float32, false)))
 }
 
+/// `rows` vectors of `width` values each (row-major) as a `list<float32>` column.
+pub(crate) fn float_rows(values: Vec<f32>, width: usize, nulls: Option<NullBuffer>) -> ListArray {
+    let rows = values.len().checked_div(width).unwrap_or(0);
+    ListArray::new(
+        Arc::new(Field::new_list_field(DataType::Float32, false)),
+        OffsetBuffer::from_lengths(std::iter::repeat_n(width, rows)),
+        Arc::new(Float32Array::from(values)),
+        nulls,
+    )
+}
+
+/// The columns every output table ends with: `model_version`, `run_id`, the run's start as
+/// `at`, then the `keep` columns as the tokenized schema has them.
+fn tail_fields(tokenized: &Schema, policy: &RowPolicy, at: &str) -> Vec<Field> {
+    let mut fields = vec![
+        Field::new("model_version", DataType::Utf8, false),
+        Field::new("run_id", DataType::Utf8, false),
+        Field::new(
+            at,
+            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+            false,
+        ),
+    ];
+    fields.extend(
+        policy
+            .keep
+            .iter()
+            .filter_map(|name| tokenized.field_with_name(name).ok().cloned()),
+    );
+    fields
+}
+
+/// The values of [`tail_fields`] for a window of `rows` rows.
+fn tail_columns(tokenized: &RecordBatch, policy: &RowPolicy, meta: &Meta) -> Result<Vec<ArrayRef>> {
+    let rows = tokenized.num_rows();
+    let repeat = |s: &str| -> ArrayRef { Arc::new(StringArray::from(vec![s; rows])) };
+    let mut columns = vec![
+        repeat(&meta.model_version),
+        repeat(&meta.run_id),
+        Arc::new(
+            TimestampMicrosecondArray::from(vec![meta.predicted_at; rows]).with_timezone("UTC"),
+        ) as ArrayRef,
+    ];
+    for name in &policy.keep {
+        columns.push(column(tokenized, name)?);
+    }
+    Ok(columns)
+}
+
+fn column(tokenized: &RecordBatch, name: &str) -> Result<ArrayRef> {
+    tokenized
+        .column_by_name(name)
+        .cloned()
+        .ok_or_else(|| Error::Internal(format!("column `{name}` missing from a window")))
+}
+
 /// The predictions schema for a tokenized schema (`id`, `input_ids`, `length`, keep...).
 pub(crate) fn output_schema(tokenized: &Schema, policy: &RowPolicy, logits: bool) -> SchemaRef {
     let mut fields = vec![
@@ -46,20 +102,7 @@ pub(crate) fn output_schema(tokenized: &Schema, policy: &RowPolicy, logits: bool
     if logits {
         fields.push(Field::new("logits", float_list(), false));
     }
-    fields.extend([
-        Field::new("model_version", DataType::Utf8, false),
-        Field::new("run_id", DataType::Utf8, false),
-        Field::new(
-            "predicted_at",
-            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
-            false,
-        ),
-    ]);
-    for name in &policy.keep {
-        if let Ok(f) = tokenized.field_with_name(name) {
-            fields.push(f.clone());
-        }
-    }
+    fields.extend(tail_fields(tokenized, policy, "predicted_at"));
     Arc::new(Schema::new(fields))
 }
 
@@ -119,44 +162,19 @@ pub(crate) fn predictions_batch(
         label_ids,
         scores,
     } = softmax(logits, classes);
-    let offsets = OffsetBuffer::from_lengths(std::iter::repeat_n(classes, rows));
-    let list = |values: Vec<f32>| -> ArrayRef {
-        Arc::new(ListArray::new(
-            Arc::new(Field::new_list_field(DataType::Float32, false)),
-            offsets.clone(),
-            Arc::new(Float32Array::from(values)),
-            None,
-        ))
-    };
-    let repeat = |s: &str| -> ArrayRef { Arc::new(StringArray::from(vec![s; rows])) };
-    let column = |name: &str| {
-        tokenized
-            .column_by_name(name)
-            .cloned()
-            .ok_or_else(|| Error::Internal(format!("column `{name}` missing from a window")))
-    };
     let mut columns: Vec<ArrayRef> = vec![
-        column(&policy.id)?,
+        column(tokenized, &policy.id)?,
         Arc::new(StringArray::from_iter_values(
             label_ids.iter().map(|&i| meta.labels[i as usize].as_str()),
         )),
         Arc::new(Int64Array::from(label_ids)),
         Arc::new(Float32Array::from(scores)),
-        list(probabilities),
+        Arc::new(float_rows(probabilities, classes, None)),
     ];
     if meta.logits {
-        columns.push(list(logits.to_vec()));
+        columns.push(Arc::new(float_rows(logits.to_vec(), classes, None)));
     }
-    columns.extend([
-        repeat(&meta.model_version),
-        repeat(&meta.run_id),
-        Arc::new(
-            TimestampMicrosecondArray::from(vec![meta.predicted_at; rows]).with_timezone("UTC"),
-        ) as ArrayRef,
-    ]);
-    for name in &policy.keep {
-        columns.push(column(name)?);
-    }
+    columns.extend(tail_columns(tokenized, policy, meta)?);
     RecordBatch::try_new(schema.clone(), columns)
         .map_err(|e| Error::Internal(format!("building a predictions batch: {e}")))
 }
@@ -166,19 +184,8 @@ pub(crate) fn embeddings_schema(tokenized: &Schema, policy: &RowPolicy) -> Schem
     let mut fields = vec![
         tokenized.field(0).clone(),
         Field::new("embedding", float_list(), false),
-        Field::new("model_version", DataType::Utf8, false),
-        Field::new("run_id", DataType::Utf8, false),
-        Field::new(
-            "embedded_at",
-            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
-            false,
-        ),
     ];
-    for name in &policy.keep {
-        if let Ok(f) = tokenized.field_with_name(name) {
-            fields.push(f.clone());
-        }
-    }
+    fields.extend(tail_fields(tokenized, policy, "embedded_at"));
     Arc::new(Schema::new(fields))
 }
 
@@ -198,32 +205,11 @@ pub(crate) fn embeddings_batch(
             vectors.len()
         )));
     }
-    let column = |name: &str| {
-        tokenized
-            .column_by_name(name)
-            .cloned()
-            .ok_or_else(|| Error::Internal(format!("column `{name}` missing from a window")))
-    };
-    let repeat = |s: &str| -> ArrayRef { Arc::new(StringArray::from(vec![s; rows])) };
-    let embedding = ListArray::try_new(
-        Arc::new(Field::new_list_field(DataType::Float32, false)),
-        OffsetBuffer::from_lengths(std::iter::repeat_n(dims, rows)),
-        Arc::new(Float32Array::from(vectors.to_vec())),
-        None,
-    )
-    .map_err(|e| Error::Internal(format!("building the embedding column: {e}")))?;
     let mut columns: Vec<ArrayRef> = vec![
-        column(&policy.id)?,
-        Arc::new(embedding),
-        repeat(&meta.model_version),
-        repeat(&meta.run_id),
-        Arc::new(
-            TimestampMicrosecondArray::from(vec![meta.predicted_at; rows]).with_timezone("UTC"),
-        ),
+        column(tokenized, &policy.id)?,
+        Arc::new(float_rows(vectors.to_vec(), dims, None)),
     ];
-    for name in &policy.keep {
-        columns.push(column(name)?);
-    }
+    columns.extend(tail_columns(tokenized, policy, meta)?);
     RecordBatch::try_new(schema.clone(), columns)
         .map_err(|e| Error::Internal(format!("building an embeddings batch: {e}")))
 }

@@ -10,8 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use arrow::array::{ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch, StringArray};
-use arrow::buffer::OffsetBuffer;
+use arrow::array::{ArrayRef, Float32Array, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow_flight::FlightData;
 use arrow_flight::decode::FlightRecordBatchStream;
@@ -24,7 +23,7 @@ use tonic::{Response, Status, Streaming};
 use super::auth::Principal;
 use super::flight::Service;
 use super::scorer::Scorer;
-use crate::predict::float_list;
+use crate::predict::{float_list, float_rows};
 
 /// Input batches scored at once while earlier ones are sent back.
 const IN_FLIGHT: usize = 2;
@@ -222,12 +221,7 @@ async fn score(
                 };
                 (
                     float_list(),
-                    Arc::new(ListArray::new(
-                        Arc::new(Field::new_list_field(DataType::Float32, false)),
-                        OffsetBuffer::from_lengths(std::iter::repeat_n(v.dims, rows)),
-                        Arc::new(Float32Array::from(v.values.clone())),
-                        v.nulls.clone(),
-                    )),
+                    Arc::new(float_rows(v.values.clone(), v.dims, v.nulls.clone())),
                 )
             }
             _ => {
@@ -236,10 +230,9 @@ async fn score(
                 };
                 (
                     float_list(),
-                    Arc::new(ListArray::new(
-                        Arc::new(Field::new_list_field(DataType::Float32, false)),
-                        OffsetBuffer::from_lengths(std::iter::repeat_n(scores.classes, rows)),
-                        Arc::new(Float32Array::from(scores.probabilities.clone())),
+                    Arc::new(float_rows(
+                        scores.probabilities.clone(),
+                        scores.classes,
                         nulls.clone(),
                     )),
                 )

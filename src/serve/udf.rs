@@ -12,9 +12,8 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Float32Array, ListArray, StringArray};
-use arrow::buffer::OffsetBuffer;
-use arrow::datatypes::{DataType, Field};
+use arrow::array::{ArrayRef, Float32Array, StringArray};
+use arrow::datatypes::DataType;
 use datafusion::common::plan_err;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::error::{DataFusionError, Result};
@@ -27,7 +26,7 @@ use datafusion::logical_expr::{
 use tonic::async_trait;
 
 use super::scorer::Scorer;
-use crate::predict::float_list;
+use crate::predict::{float_list, float_rows};
 
 /// Rows handed to the model per call (the engine merges concurrent calls).
 const BATCH_ROWS: usize = 2048;
@@ -116,49 +115,35 @@ impl AsyncScalarUDFImpl for ModelFunction {
             [t, p] => (t, Some(p)),
             _ => return plan_err!("{}() takes a text, or a text and its pair", self.name),
         };
-        if self.output == Output::Embed {
+        let failed = |e| DataFusionError::External(Box::new(e));
+        let array: ArrayRef = if self.output == Output::Embed {
             if pairs.is_some() {
                 return plan_err!("{}() takes one text", self.name);
             }
-            let v = self
-                .scorer
-                .embed(texts)
-                .await
-                .map_err(|e| DataFusionError::External(Box::new(e)))?;
-            return Ok(ColumnarValue::Array(Arc::new(ListArray::new(
-                Arc::new(Field::new_list_field(DataType::Float32, false)),
-                OffsetBuffer::from_lengths(std::iter::repeat_n(v.dims, rows)),
-                Arc::new(Float32Array::from(v.values)),
-                v.nulls,
-            ))));
-        }
-        let scores = self
-            .scorer
-            .score(texts, pairs)
-            .await
-            .map_err(|e| DataFusionError::External(Box::new(e)))?;
-        let nulls = scores.nulls.clone();
-        let array: ArrayRef = match self.output {
-            Output::Label => {
-                let (ids, _) = scores.best();
-                let labels = &self.scorer.labels;
-                Arc::new(StringArray::from_iter((0..rows).map(|r| {
-                    nulls
-                        .as_ref()
-                        .is_none_or(|n| n.is_valid(r))
-                        .then(|| labels[ids[r] as usize].as_str())
-                })))
+            let v = self.scorer.embed(texts).await.map_err(failed)?;
+            Arc::new(float_rows(v.values, v.dims, v.nulls))
+        } else {
+            let scores = self.scorer.score(texts, pairs).await.map_err(failed)?;
+            let nulls = scores.nulls.clone();
+            match self.output {
+                Output::Label => {
+                    let (ids, _) = scores.best();
+                    let labels = &self.scorer.labels;
+                    Arc::new(StringArray::from_iter((0..rows).map(|r| {
+                        nulls
+                            .as_ref()
+                            .is_none_or(|n| n.is_valid(r))
+                            .then(|| labels[ids[r] as usize].as_str())
+                    })))
+                }
+                Output::Score => {
+                    let (_, best) = scores.best();
+                    Arc::new(Float32Array::new(best.into(), nulls))
+                }
+                Output::Proba | Output::Embed => {
+                    Arc::new(float_rows(scores.probabilities, scores.classes, nulls))
+                }
             }
-            Output::Score => {
-                let (_, best) = scores.best();
-                Arc::new(Float32Array::new(best.into(), nulls))
-            }
-            Output::Proba | Output::Embed => Arc::new(ListArray::new(
-                Arc::new(Field::new_list_field(DataType::Float32, false)),
-                OffsetBuffer::from_lengths(std::iter::repeat_n(scores.classes, rows)),
-                Arc::new(Float32Array::from(scores.probabilities)),
-                nulls,
-            )),
         };
         Ok(ColumnarValue::Array(array))
     }
