@@ -214,7 +214,10 @@ impl Mirror {
         block_on(async {
             let mut manifest = self.manifest();
             let mut remote = self.list(rel).await?;
-            if let Ok(meta) = self.store.head(&self.key(rel)).await {
+            // Nothing under `rel/`: it may be a single object.
+            if remote.is_empty()
+                && let Ok(meta) = self.store.head(&self.key(rel)).await
+            {
                 remote.insert(rel.to_string(), (meta.size, meta.e_tag));
             }
             let target = self.local.join(rel);
