@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod docs;
 mod embed;
 mod jobs;
 mod layers;
