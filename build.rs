@@ -1,21 +1,35 @@
 //! Gives the `pipeline` binary an rpath to libtorch, so it runs without LD_LIBRARY_PATH,
 //! exports its answer to MKL's CPU check (src/gemm.rs), and records which libtorch it was
-//! built against (`pipeline info`).
+//! built against (`pipeline info`, and the version check at start: src/runtime.rs).
 //!
 //! torch-sys (a direct dependency for this reason; it declares `links = "tch"`) exports the
 //! libtorch library directory it linked against as DEP_TCH_LIBTORCH_LIB. `$ORIGIN`-relative
-//! fallbacks let a binary carried next to a `torch/lib` (e.g. on a GPU machine) find it too.
+//! entries come first, so that the binary a wheel installs finds the torch of its own
+//! environment.
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     let dir = std::env::var("DEP_TCH_LIBTORCH_LIB").unwrap_or_default();
-    if !dir.is_empty() {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
-    }
     // src/gemm.rs: MKL's CPU-vendor check answered by the program (main.rs, and the unit
     // tests), which must be in the dynamic symbol table to take precedence over libtorch's.
     println!("cargo:rustc-link-arg=-Wl,--export-dynamic-symbol=mkl_serv_intel_cpu_true");
+    // Where libtorch is looked for, in order (the first directory that has it wins):
+    // 1. the wheel (`pip install lakeml`): the binary is in the environment's `bin/`, and
+    //    torch in `lib/pythonX.Y/site-packages` (a venv, `--user`, a prefix) or Debian's
+    //    `dist-packages` (its system pip), for every Python the torch wheel is built for;
+    // 2. a binary carried next to a `torch/lib` (e.g. on a GPU machine);
+    // 3. the libtorch this build linked against (a source build).
+    for python in ["3.10", "3.11", "3.12", "3.13", "3.14"] {
+        for site in ["site-packages", "dist-packages"] {
+            println!(
+                "cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../lib/python{python}/{site}/torch/lib"
+            );
+        }
+    }
     println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/torch/lib");
     println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN/../torch/lib");
+    if !dir.is_empty() {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    }
     // A PyPI torch keeps its version next to lib/: `__version__ = '2.11.0+cu130'`.
     let version = std::fs::read_to_string(std::path::Path::new(&dir).join("../version.py"))
         .ok()

@@ -42,7 +42,7 @@ pub use gemm::{GemmInfo, mkl_cpu_check, set_mkl_override};
 pub use jobs::{JobOverview, RunRecord, RunState, TriggerOutcome, WatchedTable, format_runs};
 pub use plan::Pipeline;
 pub use report::StageReport;
-pub use runtime::RuntimeInfo;
+pub use runtime::{RuntimeInfo, check_libtorch};
 pub use serve::{ServeOptions, hash_password};
 pub use stages::RunOptions;
 pub use tokenize::{Encoded, Encoder, EncoderSettings};

@@ -160,6 +160,7 @@ fn keep_freed_memory() {
 }
 
 fn run(cli: Cli) -> lakeml::Result<()> {
+    lakeml::check_libtorch()?;
     if cli.no_mkl_override {
         lakeml::set_mkl_override(false);
     }
