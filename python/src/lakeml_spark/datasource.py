@@ -53,7 +53,7 @@ def _spark_schema(schema: pa.Schema):
     from pyspark.sql.pandas.types import from_arrow_type
     from pyspark.sql.types import StructField, StructType
 
-    from .predict import _plain
+    from ._predict import _plain
 
     return StructType([StructField(f.name, from_arrow_type(_plain(f.type), prefer_timestamp_ntz=True),
                                    f.nullable) for f in schema])
