@@ -328,8 +328,13 @@ impl Pipeline {
                 "`stages` is empty; add at least one stage (or a `serve` section)".into(),
             ));
         }
+        let scheduler = plan_scheduler(spec.scheduler, &base, &mut tables, !spec.jobs.is_empty())
+            .map_err(err)?;
+        let history = scheduler.as_ref().map(|s| s.history.name.as_str());
         for def in tables.values() {
-            let written = stages.iter().any(|s| s.to() == Some(def.name.as_str()));
+            // The scheduler creates its run history on its first run.
+            let written = stages.iter().any(|s| s.to() == Some(def.name.as_str()))
+                || history == Some(def.name.as_str());
             let missing = def
                 .location
                 .local()
@@ -338,8 +343,6 @@ impl Pipeline {
                 return Err(err(missing_table(def)));
             }
         }
-        let scheduler = plan_scheduler(spec.scheduler, &base, &mut tables, !spec.jobs.is_empty())
-            .map_err(err)?;
         let jobs = plan_jobs(spec.jobs, &stages, &tables).map_err(err)?;
         Ok(Self {
             file,
@@ -384,8 +387,12 @@ impl Pipeline {
                     .stages
                     .iter()
                     .any(|s| s.to() == Some(def.name.as_str()));
-                if written {
-                    continue; // a stage creates it
+                let history = self
+                    .scheduler
+                    .as_ref()
+                    .is_some_and(|s| s.history.name == def.name);
+                if written || history {
+                    continue; // a stage, or the scheduler, creates it
                 }
                 return Err(err(missing_table(def)));
             }

@@ -146,7 +146,8 @@ const FRAGMENT_TABLES: &str = "  reviews: { delta: ../lake/reviews }\n  \
 /// The scratch directory the snippets are validated in. Snippets live in `p/`, so `x` in a
 /// snippet is `p/x` and `../x` is `x`:
 /// - `lake/reviews` (`id, text, label, split, truth`; versions 0 to 3, for time travel),
-///   `lake/reviews_tokenized` (by `doc_id`, with `split`), `lake/lakeml_runs` (a run history);
+///   `lake/reviews_tokenized` (by `doc_id`, with `split`); no run history (the scheduler makes
+///   it, and validation must not need it);
 /// - `runs/rotten-tomatoes/model` and `p/runs/model/model`: MiniLM with an `id2label`;
 ///   `p/models/minilm` and `~/.cache/lakeml/assets/all-MiniLM-L6-v2` (HOME is `home/`): MiniLM;
 /// - `p/data/reviews.csv.bz2` (the Rotten Tomatoes CSV), `p/data/events/*.parquet`,
@@ -167,18 +168,14 @@ fn scratch() -> Scratch {
     }
     s.write("fixture/reviews.jsonl", &rows);
     s.write("p/data/more.jsonl", &rows);
-    // Four overwrites give `reviews` versions 0 to 3. `lakeml_runs` stands in for the run
-    // history a scheduler makes: `pipeline validate` refuses a file with `jobs:` until the
-    // history table exists.
+    // Four overwrites give `reviews` versions 0 to 3.
     s.write(
         "setup.yaml",
         &format!(
             "name: docs-fixture\ntables:\n  src: {{ json: fixture/reviews.jsonl }}\n  \
              reviews: {{ delta: lake/reviews }}\n  \
-             reviews_tokenized: {{ delta: lake/reviews_tokenized }}\n  \
-             lakeml_runs: {{ delta: lake/lakeml_runs }}\nstages:\n\
-             {versions}  - write: {{ sql: \"SELECT 'none' AS job\", to: lakeml_runs }}\n  \
-             - tokenize:\n      sql: SELECT id AS doc_id, text, label, split FROM reviews\n      \
+             reviews_tokenized: {{ delta: lake/reviews_tokenized }}\nstages:\n\
+             {versions}  - tokenize:\n      sql: SELECT id AS doc_id, text, label, split FROM reviews\n      \
              tokenizer: {minilm}\n      id: doc_id\n      label: label\n      keep: [split]\n      \
              to: reviews_tokenized\n",
             versions = (0..4)
