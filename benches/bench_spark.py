@@ -5,8 +5,8 @@ predict stage, and against the HF path a Databricks user writes today (a pandas 
 Run with `scripts/bench.sh spark` (builds lakeml, installs the peers, then calls this);
 `--precision fp32|bf16` (default fp32), `--repeats N` (default 3, medians), `--rows N` (a fixed
 sample of N reviews, for quick runs; default all 12,808), `--threads N` (default 2),
-`--partitions N` (Spark partitions of the two Spark sides, default 4), `--side LIST` (comma-
-separated, of stage, lakeml, hf, exchange, overhead; default all), `--model DIR`, `--out FILE`
+`--partitions N` (Spark partitions of the Spark sides, default 4), `--side LIST` (comma-
+separated, of stage, lakeml, local, hf, exchange, overhead; default all), `--model DIR`, `--out FILE`
 (a JSON summary), `--keep`.
 
 What is measured, in the same run over the same rows and the same model directory
@@ -22,6 +22,10 @@ What is measured, in the same run over the same rows and the same model director
    the job, read to commit. The worker is a fresh process per repeat (it caches recent texts),
    started and loaded untimed; the Spark session is started and warmed up untimed (the job's
    shape on 64 synthetic rows, not in the input: forks the Python workers, warms the JVM).
+2b. local: the lakeml side without a worker of its own: lakeml_spark.predict(df, model=DIR)
+   with no endpoints, so the executor starts one local `pipeline serve` with the same model
+   settings (`threads`, precision, max_length 512), in the untimed warm-up job, and stops it
+   with the session (lakeml_spark._local). The same timed job; the target is within 5% of 2.
 3. hf: the same Spark session set-up and the same job, but the predictions come from a
    pandas UDF (Iterator[pd.Series] -> Iterator[pd.DataFrame]) that loads
    `transformers.pipeline("text-classification", model=DIR, dtype=...)` once per Spark Python
@@ -68,7 +72,8 @@ from bench_serve import Server
 from measure import SideFailed, run_measured, tail, work_dir
 
 RESULT = "BENCH_RESULT "
-SIDES = {"stage": "predict stage", "lakeml": "Spark + lakeml worker", "hf": "Spark + HF pandas UDF"}
+SIDES = {"stage": "predict stage", "lakeml": "Spark + lakeml worker", "local": "Spark + executor's worker",
+         "hf": "Spark + HF pandas UDF"}
 HF_BATCH = 64
 OVERHEAD_PARTITIONS = (2, 8, 32)
 CHILD_TIMEOUT_S = 3600.0
@@ -134,6 +139,19 @@ def lakeml_child(spec: dict) -> dict:
                                     timeout=CHILD_TIMEOUT_S).drop("text")
 
     return timed_job(spec, "lakeml", predict)
+
+
+def local_child(spec: dict) -> dict:
+    """The lakeml side with no endpoints: the executor starts its own worker (the same model
+    settings as serve.yaml's), in the untimed warm-up job."""
+    import lakeml_spark
+
+    def predict(df):
+        return lakeml_spark.predict(df, model=spec["model"], threads=spec["threads"],
+                                    precision=spec["precision"], max_length=512,
+                                    batch_rows=spec["batch_rows"], timeout=CHILD_TIMEOUT_S).drop("text")
+
+    return timed_job(spec, "local", predict)
 
 
 _HF = {}
@@ -241,7 +259,8 @@ def overhead_child(spec: dict) -> dict:
     return {"rows": spec["rows"], "seconds_by_partitions": times, "bare_seconds_by_partitions": bare_times}
 
 
-CHILDREN = {"lakeml": lakeml_child, "hf": hf_child, "exchange": exchange_child, "overhead": overhead_child}
+CHILDREN = {"lakeml": lakeml_child, "local": local_child, "hf": hf_child, "exchange": exchange_child,
+            "overhead": overhead_child}
 
 
 def child_main(kind: str, spec_json: str) -> None:
@@ -318,7 +337,7 @@ def main() -> None:
     if args.repeats < 1 or args.threads < 1 or args.partitions < 1 or (args.rows is not None and args.rows < 1):
         sys.exit("--repeats, --threads, --partitions and --rows must be at least 1")
     args.hf_task_threads = args.hf_task_threads or max(1, args.threads // 2)
-    known = ["stage", "lakeml", "hf", "exchange", "overhead"]
+    known = ["stage", "lakeml", "local", "hf", "exchange", "overhead"]
     args.sides = known if args.side == "all" else [x.strip() for x in args.side.split(",") if x.strip()]
     if not args.sides or any(x not in known for x in args.sides):
         sys.exit(f"--side takes a comma-separated list of {', '.join(known)} (or all)")
@@ -363,9 +382,10 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, work: pathlib.Path, 
     print(f"input: {rows:,} rows in {source}; model {model}; {args.partitions} Spark partitions", flush=True)
     predict_yaml = str(root / "benches/pipelines/predict.yaml")
     serve_yaml = str(root / "benches/pipelines/serve.yaml")
-    sides = [x for x in ("stage", "lakeml", "hf") if x in args.sides]
+    sides = [x for x in ("stage", "lakeml", "local", "hf") if x in args.sides]
     base = {"source": source, "rows": rows, "partitions": args.partitions, "batch_rows": args.batch_rows,
-            "model": model, "precision": args.precision, "task_threads": args.hf_task_threads}
+            "model": model, "precision": args.precision, "task_threads": args.hf_task_threads,
+            "threads": args.threads}
 
     runs, model_runs = [], []
     try:
@@ -379,6 +399,10 @@ def run_all(args, root: pathlib.Path, assets: pathlib.Path, work: pathlib.Path, 
                     with Server(args.bin, serve_yaml, env, work / f"serve-lakeml-{i}") as server:
                         r = run_child("lakeml", {**base, "uri": server.uri, "dest": dest}, env)
                     r = {**r, "side": "lakeml", "worker_ready_s": server.ready_s, "worker_rss_mib": server.rss_mib}
+                elif s == "local":
+                    r = run_child("local", {**base, "dest": str(work / "preds-spark-local")},
+                                  {**env, "LAKEML_PIPELINE": args.bin})
+                    r = {**r, "side": "local"}
                 else:
                     r = run_child("hf", {**base, "dest": str(work / "preds-spark-hf")}, env)
                     r = {**r, "side": "hf"}
@@ -434,7 +458,8 @@ def summarize(args, rows: int, runs: list, model_runs: list, work: pathlib.Path)
     stage_path = work / f"preds-lakeml-{args.precision}"
     if "stage" in med:
         reference = load_labels(str(stage_path))
-        for s, path in (("lakeml", work / "preds-spark-lakeml"), ("hf", work / "preds-spark-hf")):
+        for s, path in (("lakeml", work / "preds-spark-lakeml"), ("local", work / "preds-spark-local"),
+                        ("hf", work / "preds-spark-hf")):
             if s in med:
                 agree[s] = agreement(reference, str(path))
     print()
@@ -457,6 +482,11 @@ def summarize(args, rows: int, runs: list, model_runs: list, work: pathlib.Path)
         compare["lakeml/stage"] = med["lakeml"]["rows_per_s"] / med["stage"]["rows_per_s"]
         verdict = "meets" if compare["lakeml/stage"] >= 0.80 else "MISSES"
         print(f"Spark + lakeml worker / predict stage: {compare['lakeml/stage']:.2f}x ({verdict} the target, >= 0.80)")
+    if "local" in med and "lakeml" in med:
+        compare["local/lakeml"] = med["local"]["rows_per_s"] / med["lakeml"]["rows_per_s"]
+        verdict = "meets" if compare["local/lakeml"] >= 0.95 else "MISSES"
+        print(f"Spark + executor's worker / Spark + lakeml worker: {compare['local/lakeml']:.2f}x "
+              f"({verdict} the target, within 5%)")
     if "lakeml" in med and "hf" in med:
         compare["lakeml/hf"] = med["lakeml"]["rows_per_s"] / med["hf"]["rows_per_s"]
         verdict = "meets" if compare["lakeml/hf"] >= 2.0 else "MISSES"

@@ -12,7 +12,8 @@
 #   scripts/bench.sh serve [args]      pipeline serve (Flight SQL, DoExchange, 1/4/16 clients) vs
 #                                      the predict stage (benches/bench_serve.py; --precision
 #                                      fp32|bf16, --repeats N, --rows N, --model DIR, --out FILE)
-#   scripts/bench.sh spark [args]      Spark local[2] + one `pipeline serve` worker (lakeml_spark) vs
+#   scripts/bench.sh spark [args]      Spark local[2] + one `pipeline serve` worker (lakeml_spark), and
+#                                      + the executor's own worker (no endpoints), vs
 #                                      the predict stage and vs a Spark pandas UDF over transformers,
 #                                      plus the scaling model's inputs (benches/bench_spark.py;
 #                                      --precision, --repeats N, --rows N, --threads N, --partitions N,

@@ -19,3 +19,4 @@ mod storage;
 mod storage_jobs;
 mod tokenize;
 mod train;
+mod wheel;

@@ -57,7 +57,7 @@ tables:
 }
 
 /// A scratch directory with the classifier (`model/`), `rows` reviews and the pipeline files.
-fn setup(rows: usize) -> Scratch {
+pub fn setup(rows: usize) -> Scratch {
     let s = Scratch::new();
     make_model_with(&s, "model", &LABELS.join(","), 0);
     s.write(INGEST, &ingest_yaml());
@@ -66,7 +66,7 @@ fn setup(rows: usize) -> Scratch {
     s
 }
 
-fn path(s: &Scratch, relative: &str) -> String {
+pub fn path(s: &Scratch, relative: &str) -> String {
     s.path()
         .join(relative)
         .to_str()
@@ -123,7 +123,7 @@ fn commit_txn(s: &Scratch, table: &str, version: u64) -> Option<(String, u64)> {
 
 /// A Python process of a Spark job (its own process group: the driver, its JVM and the
 /// JVM's Python workers), stdout and stderr in files.
-struct Job {
+pub struct Job {
     child: Child,
     stdout: PathBuf,
     stderr: PathBuf,
@@ -132,6 +132,17 @@ struct Job {
 impl Job {
     /// Starts `LAKEML_PYTHON SCRIPT ARGS` in the scratch directory.
     fn spawn(s: &Scratch, script: &Path, args: &[&str], tag: &str) -> Self {
+        Self::spawn_with(s, script, args, tag, &[])
+    }
+
+    /// The same with more environment variables (inherited by Spark's Python workers).
+    pub fn spawn_with(
+        s: &Scratch,
+        script: &Path,
+        args: &[&str],
+        tag: &str,
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Self {
         let (stdout, stderr) = (
             s.path().join(format!("{tag}.out")),
             s.path().join(format!("{tag}.err")),
@@ -147,6 +158,7 @@ impl Job {
             .args(args)
             .env("PYTHONPATH", pythonpath)
             .env("LAKEML_TOKEN", TOKEN)
+            .envs(env.iter().copied())
             .current_dir(s.path())
             .stdin(Stdio::null())
             .stdout(File::create(&stdout).expect("stdout file"))
@@ -173,7 +185,7 @@ impl Job {
     }
 
     /// Waits (at most SCRIPT_TIMEOUT); returns the last stdout line as JSON and stderr.
-    fn finish(mut self, what: &str) -> (Value, String) {
+    pub fn finish(mut self, what: &str) -> (Value, String) {
         let deadline = Instant::now() + SCRIPT_TIMEOUT;
         let status = loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
@@ -243,7 +255,7 @@ fn spark_predict(s: &Scratch, workers: &[&Server], partitions: &str, tag: &str) 
         .0
 }
 
-fn test_script(name: &str) -> PathBuf {
+pub fn test_script(name: &str) -> PathBuf {
     repo().join("tests/py").join(name)
 }
 
@@ -331,6 +343,86 @@ fn spark_predict_equals_the_predict_stage_and_a_rerun_adds_nothing() {
     );
     a.stop();
     b.stop();
+}
+
+/// Reviews the job that kills the executors' own worker predicts.
+const KILL_ROWS: usize = 3_000;
+
+#[test]
+fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stops_with_spark() {
+    let s = setup(ALL_REVIEWS);
+    s.run_ok(&[PREDICT]);
+    let want = predictions(&s);
+    let tmp = s.path().join("tmp");
+    std::fs::create_dir_all(&tmp).expect("mkdir tmp");
+    let (got, stderr) = Job::spawn_with(
+        &s,
+        &test_script("spark_local_worker.py"),
+        &[
+            &path(&s, "model"),
+            &path(&s, "lake/reviews"),
+            &KILL_ROWS.to_string(),
+        ],
+        "local",
+        &[
+            ("TMPDIR", tmp.as_os_str()),
+            (
+                "LAKEML_PIPELINE",
+                std::ffi::OsStr::new(env!("CARGO_BIN_EXE_pipeline")),
+            ),
+        ],
+    )
+    .finish("spark_local_worker.py");
+    let first: Vec<(u64, String, f64)> = got["first"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no predictions: {got}"))
+        .iter()
+        .map(|r| {
+            (
+                r[0].as_u64().expect("id"),
+                r[1].as_str().expect("label").to_string(),
+                r[2].as_f64().expect("score"),
+            )
+        })
+        .collect();
+    assert_same_predictions("predict() on the executors' worker", &first, &want);
+    assert_eq!(
+        got["workers"], 1,
+        "local[2] is one executor: one worker for both task slots"
+    );
+
+    let killed = &got["killed"];
+    assert_eq!(
+        killed["killed_pids"].as_array().map(Vec::len),
+        Some(1),
+        "{got}"
+    );
+    assert_eq!(killed["rows"], KILL_ROWS, "{got}");
+    assert_eq!(killed["ids"], KILL_ROWS, "every id once: {got}");
+    assert_eq!(killed["max_id"], KILL_ROWS, "{got}");
+    assert_eq!(
+        killed["differ"], 0,
+        "labels changed after the restart: {got}"
+    );
+    assert_eq!(killed["workers"], 1, "{got}");
+    assert_eq!(killed["supervisor_saw_exit"], true, "{got}");
+    assert!(
+        stderr.contains("restarting it and sending the partition"),
+        "no task restarted the killed worker:\n{stderr}"
+    );
+
+    let missing = got["missing_model"].as_str().unwrap_or_default();
+    assert!(
+        missing.contains("could not start")
+            && missing.contains("no-such-model")
+            && missing.contains("is not a directory"),
+        "a missing model directory must fail the task with the worker's message: {got}"
+    );
+    assert_eq!(got["before_stop"], 1, "{got}");
+    assert_eq!(
+        got["after_stop"], 0,
+        "the worker outlived spark.stop(): {got}"
+    );
 }
 
 #[test]

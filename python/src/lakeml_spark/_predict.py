@@ -29,20 +29,20 @@ predictions and a reason there instead of failing the job:
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import sys
 import time
 
 import pyarrow as pa
 
 from . import _flight
+from ._errors import WorkerError
+from ._local import LocalWorker
 
 PREDICTED = ("label", "label_id", "score", "probabilities")
 MAX_BACKOFF_S = 30.0
 OUTPUT_BATCH_ROWS = 8192
-
-
-class WorkerError(RuntimeError):
-    """Every endpoint tried for a partition failed (or the worker refused the request)."""
 
 
 def _normalize(endpoint: str) -> str:
@@ -76,6 +76,7 @@ class _Job:
     fail_on_error: bool
     retries: int
     backoff: float
+    local: LocalWorker | None = None  # no endpoints: this executor's own worker
 
     def sent_columns(self) -> list[str]:
         return [self.text] + ([self.text_pair] if self.text_pair else [])
@@ -85,6 +86,8 @@ class _Job:
     def call(self, table: pa.Table, partition: int, attempt: int) -> pa.Table:
         """The predicted columns for `table`'s rows; fails over to the next endpoint on a
         transport error; raises the refusal itself (is_refusal) unchanged."""
+        if self.local is not None:
+            return self.call_local(table, partition)
         n = len(self.endpoints)
         last: BaseException | None = None
         for retry in range(self.retries + 1):
@@ -112,6 +115,34 @@ class _Job:
         raise WorkerError(f"lakeml_spark: partition {partition}: {self.retries + 1} attempts "
                           f"over {n} endpoint(s) failed; last error: {type(last).__name__}: "
                           f"{last}") from last
+
+    def call_local(self, table: pa.Table, partition: int) -> pa.Table:
+        """The same on this executor's worker; a worker that fails the call is restarted
+        once and the partition sent again."""
+        assert self.local is not None
+        last: BaseException | None = None
+        for attempt in range(2):
+            uri, token, path = self.local.connect()
+            try:
+                with self.local.busy(path):
+                    reply = _flight.exchange(uri, self.command, table, self.batch_rows, token,
+                                             self.timeout)
+                return reply.select(list(self.predicted))
+            except _flight.FATAL:
+                raise
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if _flight.is_refusal(e) and not _resource_exhausted(e):
+                    raise
+                _flight.forget(uri)
+                self.local.restart(path, uri)
+                last = e
+                if attempt == 0:
+                    print(f"lakeml_spark: partition {partition}: the local worker {uri} failed "
+                          f"({type(e).__name__}: {_first_line(e)}); restarting it and sending "
+                          f"the partition ({table.num_rows} rows) again", file=sys.stderr,
+                          flush=True)
+        raise WorkerError(f"lakeml_spark: partition {partition}: the local worker failed twice; "
+                          f"last error: {type(last).__name__}: {last}") from last
 
     def call_or_split(self, table: pa.Table, partition: int, attempt: int):
         """fail_on_error=False: (predicted columns, per-row errors). A refused request is
@@ -260,12 +291,37 @@ def probe(endpoints: list[str], token: str | None, command: dict, sent: list[str
                       f"{type(last).__name__}: {last}") from last
 
 
+def probe_local(sc, local: LocalWorker, command: dict, sent: list[str],
+                timeout: float) -> pa.Schema:
+    """probe() on an executor's own worker, in a one-task Spark job (which also starts the
+    worker there, or fails with the worker's own message)."""
+
+    def lakeml_probe(_):
+        uri, token, path = local.connect()
+        row = pa.table({c: pa.array([""], pa.string()) for c in sent})
+        with local.busy(path):
+            reply = _flight.exchange(uri, command, row, 1, token, timeout)
+        yield pa.schema([f for f in reply.schema if f.name not in sent]).serialize().to_pybytes()
+
+    (schema,) = sc.parallelize([0], 1).mapPartitions(lakeml_probe).collect()
+    return pa.ipc.read_schema(pa.py_buffer(schema))
+
+
 def predict(df, text: str = "text", model: str | None = None, endpoints=None,
             token: str | None = None, *, text_pair: str | None = None,
             columns: list[str] | None = None, batch_rows: int = 8192, timeout: float = 600.0,
-            fail_on_error: bool = True, retries: int = 3, backoff: float = 0.5):
+            fail_on_error: bool = True, retries: int = 3, backoff: float = 0.5,
+            threads: int | None = None, precision: str | None = None,
+            max_length: int | None = None, idle_timeout: float = 120.0):
     """`df` with the worker's predictions appended: `label`, `label_id`, `score`,
     `probabilities` (or `columns`, a subset), plus `error` when fail_on_error is False.
+
+    Without `endpoints`, `model` (a model directory or an object-store URL) runs on the
+    executors themselves: each starts one local `pipeline serve` for it (127.0.0.1, a random
+    port and token), shared by all its tasks, with `threads` (default: the executor's cores),
+    `precision` and `max_length` as a `serve.models` entry takes them; it stops when the
+    executor does, or after `idle_timeout` seconds unused (lakeml_spark._local). A worker
+    that dies mid-task is restarted once and the partition sent again.
 
     endpoints: `pipeline serve` addresses (`grpc://host:port`, a list or a comma-separated
     string); partition p starts on endpoints[p % N]. token: the workers' Bearer token.
@@ -281,30 +337,64 @@ def predict(df, text: str = "text", model: str | None = None, endpoints=None,
         if unknown:
             raise ValueError(f"predict(): unknown columns {unknown}; the worker appends "
                              f"{', '.join(PREDICTED)}")
+    local = _local_worker(df, model, endpoints, threads, precision, max_length, idle_timeout)
     return _exchange("predict", df, text, model, endpoints, token, text_pair,
                      list(columns) if columns else list(PREDICTED), batch_rows, timeout,
-                     fail_on_error, retries, backoff)
+                     fail_on_error, retries, backoff, local)
 
 
 def embed(df, text: str = "text", model: str | None = None, endpoints=None,
           token: str | None = None, *, batch_rows: int = 8192, timeout: float = 600.0,
-          fail_on_error: bool = True, retries: int = 3, backoff: float = 0.5):
+          fail_on_error: bool = True, retries: int = 3, backoff: float = 0.5,
+          threads: int | None = None, precision: str | None = None,
+          max_length: int | None = None, idle_timeout: float = 120.0):
     """`df` with the worker's sentence vector of `text` appended as `embedding`
     (array<float>), plus `error` when fail_on_error is False: the model's pooling, as the
-    `embed` stage and `embed(text)` in SQL make it. Endpoints, failover, retries and batching
-    are predict()'s.
+    `embed` stage and `embed(text)` in SQL make it. Endpoints (or workers on the executors,
+    with `model` and no `endpoints`), failover, retries and batching are predict()'s.
     """
+    local = _local_worker(df, model, endpoints, threads, precision, max_length, idle_timeout)
     return _exchange("embed", df, text, model, endpoints, token, None, ["embedding"],
-                     batch_rows, timeout, fail_on_error, retries, backoff)
+                     batch_rows, timeout, fail_on_error, retries, backoff, local)
+
+
+def _local_worker(df, model, endpoints, threads, precision, max_length, idle_timeout):
+    """The executors' own worker when there are no endpoints (None otherwise)."""
+    if endpoints:
+        return None
+    if not model:
+        raise ValueError("lakeml_spark: give `model` (a model directory or URL) to run it on "
+                         "the executors, or `endpoints` of `pipeline serve` workers, e.g. "
+                         "endpoints=['grpc://10.0.0.5:50051']")
+    if idle_timeout <= 0:
+        raise ValueError("idle_timeout must be positive (seconds)")
+    if "://" not in model:
+        model = os.path.abspath(os.path.expanduser(model))
+    if threads is None:
+        threads = _executor_cores(df.sparkSession.sparkContext)
+    return LocalWorker(model=model, threads=threads, precision=precision,
+                       max_length=max_length, idle=float(idle_timeout))
+
+
+def _executor_cores(sc) -> int | None:
+    """spark.executor.cores, or local[N]'s N; None: the worker's default (all cores)."""
+    cores = sc.getConf().get("spark.executor.cores", None)
+    if cores:
+        return int(cores)
+    match = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?", sc.master)
+    if match:
+        n = match.group(1)
+        return 1 if n is None else (os.cpu_count() or 1) if n == "*" else int(n)
+    return None
 
 
 def _exchange(caller, df, text, model, endpoints, token, text_pair, columns, batch_rows,
-              timeout, fail_on_error, retries, backoff):
+              timeout, fail_on_error, retries, backoff, local):
     """predict() and embed(): `columns` from the workers, appended to `df` by mapInArrow."""
     from pyspark.sql.pandas.types import from_arrow_type, to_arrow_type
     from pyspark.sql.types import StringType, StructField, StructType
 
-    uris = _endpoints(endpoints)
+    uris = [] if local is not None else _endpoints(endpoints)
     if batch_rows < 1 or retries < 0 or timeout <= 0 or backoff < 0:
         raise ValueError("batch_rows must be at least 1, retries at least 0, timeout positive, "
                          "backoff not negative")
@@ -313,11 +403,14 @@ def _exchange(caller, df, text, model, endpoints, token, text_pair, columns, bat
             raise ValueError(f"{caller}(): no column `{c}` in the DataFrame (it has "
                              f"{', '.join(df.columns)})")
     command = {"text": text, "text_pair": text_pair, "columns": columns}
-    if model:
+    if model and local is None:
         command["model"] = model
     sent = [text] + ([text_pair] if text_pair else [])
 
-    schema = probe(uris, token, command, sent, min(timeout, 120.0), retries, backoff)
+    if local is None:
+        schema = probe(uris, token, command, sent, min(timeout, 120.0), retries, backoff)
+    else:
+        schema = probe_local(df.sparkSession.sparkContext, local, command, sent, timeout)
     clash = [f.name for f in schema if f.name in df.columns]
     if not fail_on_error and "error" in df.columns:
         clash.append("error")
@@ -332,7 +425,7 @@ def _exchange(caller, df, text, model, endpoints, token, text_pair, columns, bat
     job = _Job(endpoints=tuple(uris), token=token, text=text, text_pair=text_pair,
                command=command, predicted=tuple(f.name for f in schema), out_types=out_types,
                batch_rows=batch_rows, timeout=timeout, fail_on_error=fail_on_error,
-               retries=retries, backoff=backoff)
+               retries=retries, backoff=backoff, local=local)
 
     def lakeml_predict(batches):
         return job(batches)
