@@ -25,9 +25,9 @@ use crate::spark::{Job, path, setup, test_script};
 /// change dependencies' fingerprints (ring's build script watches CARGO_MANIFEST_DIR), and
 /// the whole stack would compile again, twice.
 fn build_wheel() -> PathBuf {
-    let keep = |name: &str| {
-        !(name.starts_with("CARGO_") && name != "CARGO_HOME" && name != "CARGO_TARGET_DIR")
-            && !matches!(
+    let cargo_set = |name: &str| {
+        (name.starts_with("CARGO_") && name != "CARGO_HOME" && name != "CARGO_TARGET_DIR")
+            || matches!(
                 name,
                 "CARGO" | "OUT_DIR" | "LD_LIBRARY_PATH" | "RUST_TEST_THREADS"
             )
@@ -35,7 +35,7 @@ fn build_wheel() -> PathBuf {
     let out = Command::new("bash")
         .arg(repo().join("scripts/wheel.sh"))
         .env_clear()
-        .envs(std::env::vars_os().filter(|(k, _)| k.to_str().is_some_and(keep)))
+        .envs(std::env::vars_os().filter(|(k, _)| k.to_str().is_some_and(|k| !cargo_set(k))))
         .output()
         .expect("run scripts/wheel.sh");
     assert!(
