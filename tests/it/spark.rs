@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::common::{
-    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, python, repo,
+    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, minilm, python, repo,
 };
 use crate::serving::{
     LABELS, PREDICT, PREDICT_YAML, Server, TOKEN, assert_same_predictions, delta_id_label_score,
@@ -350,9 +350,13 @@ const KILL_ROWS: usize = 3_000;
 
 #[test]
 fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stops_with_spark() {
+    // One Spark session: predict() over every review, then a job whose worker is killed,
+    // embed() (a second model, so a second worker), a Flight SQL query through the data
+    // source on a local worker for a pipeline file, a missing model, and spark.stop().
     let s = setup(ALL_REVIEWS);
     s.run_ok(&[PREDICT]);
     let want = predictions(&s);
+    s.write(SERVE, &serve_yaml(""));
     let tmp = s.path().join("tmp");
     std::fs::create_dir_all(&tmp).expect("mkdir tmp");
     let (got, stderr) = Job::spawn_with(
@@ -362,6 +366,9 @@ fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stop
             &path(&s, "model"),
             &path(&s, "lake/reviews"),
             &KILL_ROWS.to_string(),
+            minilm().to_str().expect("utf-8 path"),
+            &path(&s, SERVE),
+            TOKEN,
         ],
         "local",
         &[
@@ -386,6 +393,9 @@ fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stop
         })
         .collect();
     assert_same_predictions("predict() on the executors' worker", &first, &want);
+    // The rest, for messages: every prediction would drown them.
+    let mut got = got;
+    got["first"] = Value::from(first.len());
     assert_eq!(
         got["workers"], 1,
         "local[2] is one executor: one worker for both task slots"
@@ -411,6 +421,23 @@ fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stop
         "no task restarted the killed worker:\n{stderr}"
     );
 
+    let embedded = &got["embedded"];
+    assert_eq!(embedded["rows"], 40, "{got}");
+    assert_eq!(embedded["sizes"], serde_json::json!([384]), "{got}");
+    assert_eq!(embedded["workers"], 2, "a worker per model: {got}");
+
+    let queried = &got["queried"];
+    assert_eq!(queried["rows"], 500, "{got}");
+    assert_eq!(queried["ids"], 500, "{got}");
+    assert_eq!(
+        queried["differ"], 0,
+        "predict() in SQL on the local worker: {got}"
+    );
+    assert_eq!(
+        queried["workers"], 1,
+        "planning and reading share the executor's worker in local[2]: {got}"
+    );
+
     let missing = got["missing_model"].as_str().unwrap_or_default();
     assert!(
         missing.contains("could not start")
@@ -418,7 +445,7 @@ fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stop
             && missing.contains("is not a directory"),
         "a missing model directory must fail the task with the worker's message: {got}"
     );
-    assert_eq!(got["before_stop"], 1, "{got}");
+    assert_eq!(got["before_stop"], 3, "{got}");
     assert_eq!(
         got["after_stop"], 0,
         "the worker outlived spark.stop(): {got}"

@@ -1,15 +1,22 @@
 """lakeml_spark.predict with a model and no endpoints: Spark local[2] starts its own worker.
 
-usage: spark_local_worker.py MODEL REVIEWS_DIR [KILL_ROWS]
+usage: spark_local_worker.py MODEL REVIEWS_DIR KILL_ROWS ENCODER PIPELINE TOKEN
        spark_local_worker.py --expect-failure MODEL REVIEWS_DIR
 
 The workers' state (and so the processes counted) is under $TMPDIR, which the test gives
 this run alone. Prints JSON:
+- killed: a job over the first KILL_ROWS reviews during which the worker is killed with
+  SIGKILL as soon as a task is exchanging rows (the first job: the worker caches the texts
+  it has scored, so a later job's exchanges could end before the kill): rows, distinct ids,
+  the rows whose label differs from the next job's, workers after it, and whether the
+  supervisor saw its worker exit;
 - first: the predictions of every review, [id, label, score] sorted by id, with 4 partitions
   over the executor's 2 task slots; workers: `pipeline serve` processes after it;
-- killed: a second job over the first KILL_ROWS reviews during which the worker is killed
-  with SIGKILL as soon as a task is exchanging rows: rows, distinct ids, the rows whose
-  label differs from the first job's, workers after it, and whether a task restarted it;
+- embedded: lakeml_spark.embed over 40 reviews with ENCODER (a second worker, for another
+  model): rows, the vectors' sizes, workers after it;
+- queried: a Flight SQL query (`predict(text)` over `reviews` of PIPELINE, whose serve auth
+  takes TOKEN) through format("lakeml") with option("pipeline") and no endpoint: rows, the
+  labels that differ from the first job's, workers serving PIPELINE;
 - missing_model: the exception of a job whose model directory does not exist;
 - after_stop: `pipeline serve` processes once spark.stop() returned (waiting up to 20 s).
 With --expect-failure, only the exception of one job (for a binary that cannot start).
@@ -28,9 +35,10 @@ import deltalake
 from spark_common import error_text, finish, json_safe, session
 
 
-def workers() -> list[int]:
-    """pids of `pipeline serve` processes serving a worker file under $TMPDIR."""
-    tmp = os.environ["TMPDIR"]
+def workers(under: str | None = None) -> list[int]:
+    """pids of `pipeline serve` processes serving a file under `under` (default: $TMPDIR,
+    where the model workers' files are)."""
+    tmp = under or os.environ["TMPDIR"]
     found = []
     for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
         try:
@@ -86,9 +94,21 @@ def main() -> None:
         finish(spark, result)
         return
 
-    model, path, kill_rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model, path, kill_rows, encoder, pipeline, token = sys.argv[1:7]
+    kill_rows = int(kill_rows)
     spark = session("spark_local_worker.py", lakeml=False)
     out = {}
+
+    # predict() returns once its probe job (one row, on the worker it starts) is done; the
+    # killer starts after it, so it kills the worker under the job's own exchanges.
+    killed_job = lakeml_spark.predict(reviews(spark, path, kill_rows), text="text", model=model)
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=kill_when_busy, args=(stop, killed), daemon=True)
+    killer.start()
+    rows = killed_job.select("id", "label").collect()
+    stop.set()
+    killer.join()
+    killed_workers = len(workers())
 
     started = time.monotonic()
     df = reviews(spark, path)
@@ -98,14 +118,6 @@ def main() -> None:
     out["first"] = first
     out["first_s"] = time.monotonic() - started
     out["workers"] = len(workers())
-
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(target=kill_when_busy, args=(stop, killed), daemon=True)
-    killer.start()
-    again = lakeml_spark.predict(reviews(spark, path, kill_rows), text="text", model=model)
-    rows = again.select("id", "label").collect()
-    stop.set()
-    killer.join()
     labels = {i: label for i, label, _ in first}
     log = "".join(open(p).read() for p in glob.glob(
         os.path.join(os.environ["TMPDIR"], "lakeml-*/workers/*/worker.log")))
@@ -115,8 +127,26 @@ def main() -> None:
         "ids": len({r["id"] for r in rows}),
         "max_id": max(r["id"] for r in rows),
         "differ": sum(1 for r in rows if labels[r["id"]] != r["label"]),
-        "workers": len(workers()),
+        "workers": killed_workers,
         "supervisor_saw_exit": "exited with status" in log,
+    }
+
+    vectors = lakeml_spark.embed(reviews(spark, path, 40), text="text", model=encoder)
+    vectors = vectors.select("id", "embedding").collect()
+    out["embedded"] = {
+        "rows": len(vectors),
+        "sizes": sorted({len(r["embedding"]) for r in vectors}),
+        "workers": len(workers()),
+    }
+
+    queried = lakeml_spark.read_query(
+        spark, "SELECT id, predict(text) AS label FROM reviews WHERE id <= 500", token=token,
+        pipeline=pipeline).collect()
+    out["queried"] = {
+        "rows": len(queried),
+        "ids": len({r["id"] for r in queried}),
+        "differ": sum(1 for r in queried if labels[r["id"]] != r["label"]),
+        "workers": len(workers(pipeline)),
     }
 
     try:
@@ -126,13 +156,16 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         out["missing_model"] = error_text(e)
 
-    before = workers()
+    def every() -> list[int]:
+        return workers() + workers(pipeline)
+
+    before = every()
     spark.stop()
     deadline = time.monotonic() + 20
-    while workers() and time.monotonic() < deadline:
+    while every() and time.monotonic() < deadline:
         time.sleep(0.2)
     out["before_stop"] = len(before)
-    out["after_stop"] = len(workers())
+    out["after_stop"] = len(every())
     print(json.dumps(json_safe(out)))
     sys.stdout.flush()
     os._exit(0)

@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 
 from ._errors import WorkerError
@@ -53,11 +54,14 @@ class LocalWorkerError(WorkerError):
 class LocalWorker:
     """What the executors' worker serves; pickled into the tasks."""
 
-    model: str
+    model: str | None = None
     threads: int | None = None
     precision: str | None = None
     max_length: int | None = None
     idle: float = IDLE_S
+    # Instead of a model: a pipeline file whose tables (and `serve.models`) the worker serves,
+    # with the file's own auth (its token is the caller's to give).
+    pipeline: str | None = None
 
     def spec(self) -> str:
         fields = dataclasses.asdict(self)
@@ -74,7 +78,8 @@ class LocalWorker:
         return path
 
     def connect(self) -> tuple[str, str, str]:
-        """(uri, token, state dir) of this executor's worker, started if it is not running."""
+        """(uri, token, state dir) of this executor's worker, started if it is not running
+        (the token is empty for a pipeline file's worker: the file's auth applies)."""
         path = self.state_dir()
         with _flock(os.path.join(path, "lock"), fcntl.LOCK_EX):
             info = _read_info(path)
@@ -98,22 +103,28 @@ class LocalWorker:
         binary = pipeline_binary()
         check_torch()
         token = secrets.token_hex(24)
-        pipeline = os.path.join(path, "worker.yaml")
-        model = {"path": self.model}
-        for key in ("threads", "precision", "max_length"):
-            if getattr(self, key) is not None:
-                model[key] = getattr(self, key)
-        # JSON is YAML: every value is quoted as it must be.
-        with open(pipeline, "w") as f:
-            json.dump({"name": "lakeml-spark-worker",
-                       "serve": {"listen": "127.0.0.1:0", "models": {"model": model},
-                                 "auth": {"tokens": ["${LAKEML_WORKER_TOKEN}"]}}}, f)
+        if self.pipeline is not None:
+            token = ""  # the file's own auth
+            command = [binary, "serve", self.pipeline, "--listen", "127.0.0.1:0"]
+        else:
+            pipeline = os.path.join(path, "worker.yaml")
+            model = {"path": self.model}
+            for key in ("threads", "precision", "max_length"):
+                if getattr(self, key) is not None:
+                    model[key] = getattr(self, key)
+            # JSON is YAML: every value is quoted as it must be.
+            with open(pipeline, "w") as f:
+                json.dump({"name": "lakeml-spark-worker",
+                           "serve": {"listen": "127.0.0.1:0", "models": {"model": model},
+                                     "auth": {"tokens": ["${LAKEML_WORKER_TOKEN}"]}}}, f)
+            command = [binary, "serve", pipeline]
+        what = f"pipeline {self.pipeline}" if self.pipeline else f"model {self.model}"
         log = os.path.join(path, "worker.log")
         pid, started = executor()
-        with open(log, "wb") as err:
+        with open(log, "ab") as err:  # appended: a restarted worker's log keeps the last one's
             supervisor = subprocess.Popen(
                 [sys.executable, "-m", "lakeml_spark._local", path, str(pid), str(started),
-                 str(self.idle), binary, pipeline],
+                 str(self.idle), *command],
                 env={**os.environ, "LAKEML_WORKER_TOKEN": token, "PYTHONPATH": _pythonpath()},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                 start_new_session=True)
@@ -124,12 +135,11 @@ class LocalWorker:
                 return info
             if supervisor.poll() is not None:
                 raise LocalWorkerError(
-                    f"lakeml_spark: the local worker for model {self.model} could not start: "
-                    f"{_tail(log)}")
+                    f"lakeml_spark: the local worker for {what} could not start: {_tail(log)}")
             time.sleep(0.05)
         supervisor.kill()
-        raise LocalWorkerError(f"lakeml_spark: the local worker for model {self.model} was not "
-                               f"ready after {START_TIMEOUT_S:.0f} s; its log: {_tail(log)}")
+        raise LocalWorkerError(f"lakeml_spark: the local worker for {what} was not ready after "
+                               f"{START_TIMEOUT_S:.0f} s; its log: {_tail(log)}")
 
     @contextlib.contextmanager
     def busy(self, path: str):
@@ -260,11 +270,11 @@ def _tail(log: str, lines: int = 20) -> str:
 # --- the supervisor ------------------------------------------------------------------------
 
 
-def _supervise(path: str, executor_pid: int, executor_started: int, idle: float, binary: str,
-               pipeline: str) -> int:
-    """Runs the worker until the executor is gone or the worker idles; writes worker.json
-    once it listens. Exits with the worker's status."""
-    worker = subprocess.Popen([binary, "serve", pipeline], stdin=subprocess.DEVNULL,
+def _supervise(path: str, executor_pid: int, executor_started: int, idle: float,
+               command: list[str]) -> int:
+    """Runs the worker (`command`: pipeline serve ...) until the executor is gone or the
+    worker idles; writes worker.json once it listens. Exits with the worker's status."""
+    worker = subprocess.Popen(command, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=None, text=True)
     port = None
     assert worker.stdout is not None
@@ -276,7 +286,7 @@ def _supervise(path: str, executor_pid: int, executor_started: int, idle: float,
             break
     if port is None:
         return worker.wait() or 1
-    info = {"port": port, "token": os.environ["LAKEML_WORKER_TOKEN"], "worker_pid": worker.pid,
+    info = {"port": port, "token": os.environ.get("LAKEML_WORKER_TOKEN", ""), "worker_pid": worker.pid,
             "supervisor_pid": os.getpid()}
     tmp = os.path.join(path, "worker.json.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -284,8 +294,9 @@ def _supervise(path: str, executor_pid: int, executor_started: int, idle: float,
         json.dump(info, f)
     _touch(os.path.join(path, "used"))
     os.replace(tmp, os.path.join(path, "worker.json"))
-    # The rest of its stdout (a client snippet) is not needed; keep the pipe drained.
-    worker.stdout.close()
+    # The rest of its stdout (a client snippet) goes to the log too: closing the pipe would
+    # make the worker's next print fail.
+    threading.Thread(target=_copy, args=(worker.stdout, sys.stderr), daemon=True).start()
 
     def retire(reason: str) -> None:
         with _flock(os.path.join(path, "lock"), fcntl.LOCK_EX):
@@ -326,6 +337,12 @@ def _supervise(path: str, executor_pid: int, executor_started: int, idle: float,
         return worker.wait()
 
 
+def _copy(source, sink) -> None:
+    for line in source:
+        sink.write(line)
+        sink.flush()
+
+
 def _idle_for(path: str) -> float:
     try:
         return time.time() - os.stat(os.path.join(path, "used")).st_mtime
@@ -345,5 +362,5 @@ def _not_busy(path: str) -> bool:
 
 
 if __name__ == "__main__":
-    _path, _pid, _started, _idle, _binary, _pipeline = sys.argv[1:7]
-    sys.exit(_supervise(_path, int(_pid), int(_started), float(_idle), _binary, _pipeline))
+    _path, _pid, _started, _idle = sys.argv[1:5]
+    sys.exit(_supervise(_path, int(_pid), int(_started), float(_idle), sys.argv[5:]))

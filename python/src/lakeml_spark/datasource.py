@@ -3,7 +3,8 @@
 Two ways in, by option:
 
 - `query` (+ `endpoint`, and `token` or `user`/`password`; `timeout`): a Flight SQL query on
-  `pipeline serve`. The driver calls GetFlightInfo once to plan; each Flight endpoint (the
+  `pipeline serve`; with `pipeline` (a pipeline file) instead of `endpoint`, on a local
+  worker for that file, started by the driver and by each executor (lakeml_spark._local). The driver calls GetFlightInfo once to plan; each Flight endpoint (the
   server offers one per independent partition of its plan) becomes one Spark partition, which
   fetches its ticket with DoGet. Tickets carry the Delta versions the query was planned at,
   so every partition reads one snapshot. An endpoint without locations is fetched from
@@ -105,19 +106,30 @@ class _QueryPlan:
     def __init__(self, options):
         self.query = options["query"]
         endpoint = options.get("endpoint") or options.get("uri")
-        if not endpoint:
+        pipeline = options.get("pipeline")
+        if bool(endpoint) == bool(pipeline):
             raise ValueError('format("lakeml") with a query needs option("endpoint", '
-                             '"grpc://HOST:PORT"), a `pipeline serve` address')
-        self.uri = endpoint if "://" in endpoint else "grpc://" + endpoint
+                             '"grpc://HOST:PORT"), a `pipeline serve` address, or '
+                             'option("pipeline", FILE), a pipeline file each executor serves '
+                             'itself (one local worker), not both')
+        self.local = None
+        if pipeline:
+            from ._local import LocalWorker
+
+            self.local = LocalWorker(pipeline=pipeline,
+                                     idle=float(options.get("idle_timeout", "120")))
+            self.uri = None  # each process's own worker
+        else:
+            self.uri = endpoint if "://" in endpoint else "grpc://" + endpoint
         self.timeout = float(options.get("timeout", "600"))
         self.token = options.get("token")
         self.user, self.password = options.get("user"), options.get("password")
 
-    def authorization(self) -> str | None:
+    def authorization(self, uri: str | None = None) -> str | None:
         if self.token:
             return self.token
         if self.user:
-            return _flight.login(self.uri, self.user, self.password or "", self.timeout)
+            return _flight.login(uri or self.uri, self.user, self.password or "", self.timeout)
         return None
 
     def call_options(self, authorization: str | None):
@@ -129,10 +141,16 @@ class _QueryPlan:
     def info(self, authorization: str | None = None):
         import pyarrow.flight as flight
 
-        authorization = authorization or self.authorization()
         descriptor = flight.FlightDescriptor.for_command(_flight.statement_query(self.query))
-        return _flight.client(self.uri).get_flight_info(descriptor,
-                                                         self.call_options(authorization))
+        if self.local is None:
+            authorization = authorization or self.authorization()
+            return _flight.client(self.uri).get_flight_info(descriptor,
+                                                             self.call_options(authorization))
+        uri, _, path = self.local.connect()
+        with self.local.busy(path):
+            authorization = authorization or self.authorization(uri)
+            return _flight.client(uri).get_flight_info(descriptor,
+                                                        self.call_options(authorization))
 
 
 class FlightSqlReader(DataSourceReader):
@@ -145,7 +163,9 @@ class FlightSqlReader(DataSourceReader):
         parts = []
         for i, endpoint in enumerate(info.endpoints):
             uri = plan.uri
-            for location in endpoint.locations:
+            # A local worker's tickets are read by each executor's own worker (a ticket
+            # carries the query and the Delta versions it was planned at, not a server).
+            for location in ([] if plan.local else endpoint.locations):
                 text = location.uri.decode() if isinstance(location.uri, bytes) else str(location.uri)
                 if text and not text.startswith("arrow-flight-reuse-connection:"):
                     uri = text
@@ -158,8 +178,19 @@ class FlightSqlReader(DataSourceReader):
 
         plan = _QueryPlan(self.options)
         target = _spark_arrow_schema(self.schema)
-        reader = _flight.client(partition.uri).do_get(flight.Ticket(partition.ticket),
-                                                      plan.call_options(plan.authorization()))
+        if plan.local is None:
+            yield from self._fetch(plan, partition.uri, partition.ticket, target)
+            return
+        uri, _, path = plan.local.connect()
+        with plan.local.busy(path):
+            yield from self._fetch(plan, uri, partition.ticket, target)
+
+    @staticmethod
+    def _fetch(plan, uri: str, ticket: bytes, target):
+        import pyarrow.flight as flight
+
+        reader = _flight.client(uri).do_get(flight.Ticket(ticket),
+                                            plan.call_options(plan.authorization(uri)))
         for chunk in reader:
             if chunk.data is not None and chunk.data.num_rows:
                 yield _conform(chunk.data, target)
@@ -290,11 +321,19 @@ def read_delta(spark, path: str, version: int | None = None, rows_per_partition:
     return reader.load(_storage.table_uri(path))
 
 
-def read_query(spark, query: str, endpoint: str, token: str | None = None,
-               timeout: float | None = None):
-    """A Flight SQL query's result from `pipeline serve`, one Spark partition per endpoint."""
+def read_query(spark, query: str, endpoint: str | None = None, token: str | None = None,
+               timeout: float | None = None, *, pipeline: str | None = None):
+    """A Flight SQL query's result from `pipeline serve`, one Spark partition per endpoint:
+    the worker at `endpoint`, or, with `pipeline` (a pipeline file), a local worker for that
+    file in the driver's process and in each executor (lakeml_spark._local)."""
+    import os
+
     register(spark)
-    reader = spark.read.format("lakeml").option("query", query).option("endpoint", endpoint)
+    reader = spark.read.format("lakeml").option("query", query)
+    if pipeline:
+        reader = reader.option("pipeline", os.path.abspath(os.path.expanduser(pipeline)))
+    if endpoint:
+        reader = reader.option("endpoint", endpoint)
     if token:
         reader = reader.option("token", token)
     if timeout:
