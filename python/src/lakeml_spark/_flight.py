@@ -104,6 +104,10 @@ def login(uri: str, user: str, password: str, timeout: float) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+# Calls whose writer thread outlived the exchange (kept alive, never closed under it).
+_LINGERING: list = []
+
+
 def exchange(uri: str, command: dict, table: pa.Table, batch_rows: int, token: str | None,
              timeout: float) -> pa.Table:
     """One DoExchange: `table` out in batches of `batch_rows` (a writer thread), every reply
@@ -131,10 +135,18 @@ def exchange(uri: str, command: dict, table: pa.Table, batch_rows: int, token: s
         out = reader.read_all()
         failed = False
     finally:
-        # After a failed read the call is over and a blocked write fails soon; do not wait
-        # the whole call timeout for it (the thread is a daemon).
-        thread.join(5.0 if failed else timeout)
-        if not thread.is_alive():
+        if failed:
+            # Cancel the call, so that a write blocked on flow control fails now.
+            try:
+                reader.cancel()
+            except Exception:  # noqa: BLE001 - the read error says more
+                pass
+        thread.join(30.0 if failed else timeout)
+        if thread.is_alive():
+            # Never let the call be destroyed (its writer closed) while the thread is still
+            # in a write: gRPC aborts the process on two operations at once on one call.
+            _LINGERING.append((writer, reader, thread))
+        else:
             try:
                 writer.close()
             except Exception:  # noqa: BLE001 - the read error (or the write error) says more
