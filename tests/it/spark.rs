@@ -350,9 +350,10 @@ const KILL_ROWS: usize = 3_000;
 
 #[test]
 fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stops_with_spark() {
-    // One Spark session: predict() over every review, then a job whose worker is killed,
-    // embed() (a second model, so a second worker), a Flight SQL query through the data
-    // source on a local worker for a pipeline file, a missing model, and spark.stop().
+    // One Spark session: a job whose worker is killed mid-exchange, predict() over every
+    // review, embed() (a second model, so a second worker), a Flight SQL query through the
+    // data source on a local worker for a pipeline file, a missing model, a worker's idle
+    // timeout (a third), and spark.stop().
     let s = setup(ALL_REVIEWS);
     s.run_ok(&[PREDICT]);
     let want = predictions(&s);
@@ -444,6 +445,12 @@ fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stop
             && missing.contains("no-such-model")
             && missing.contains("is not a directory"),
         "a missing model directory must fail the task with the worker's message: {got}"
+    );
+    let idle = &got["idle"];
+    assert_eq!(idle["before"], 3, "{got}");
+    assert_eq!(
+        idle["after"], 2,
+        "a worker unused for idle_timeout=2 s must stop: {got}"
     );
     assert_eq!(got["before_stop"], 3, "{got}");
     assert_eq!(

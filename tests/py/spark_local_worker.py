@@ -18,6 +18,8 @@ this run alone. Prints JSON:
   takes TOKEN) through format("lakeml") with option("pipeline") and no endpoint: rows, the
   labels that differ from the first job's, workers serving PIPELINE;
 - missing_model: the exception of a job whose model directory does not exist;
+- idle: workers before and after a worker with idle_timeout=2 s (its own spec) stopped by
+  itself, and how long that took after its job;
 - after_stop: `pipeline serve` processes once spark.stop() returned (waiting up to 20 s).
 With --expect-failure, only the exception of one job (for a binary that cannot start).
 """
@@ -155,6 +157,16 @@ def main() -> None:
         out["missing_model"] = None
     except Exception as e:  # noqa: BLE001
         out["missing_model"] = error_text(e)
+
+    # A worker unused for idle_timeout seconds stops by itself (its own spec: a third worker).
+    lakeml_spark.predict(reviews(spark, path, 10), text="text", model=model, threads=1,
+                         idle_timeout=2).collect()
+    idle_before = len(workers())
+    deadline = time.monotonic() + 20
+    while len(workers()) == idle_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["idle"] = {"before": idle_before, "after": len(workers()),
+                   "stopped_after_s": round(time.monotonic() - deadline + 20, 1)}
 
     def every() -> list[int]:
         return workers() + workers(pipeline)
