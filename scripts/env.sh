@@ -1,10 +1,13 @@
 # shellcheck shell=bash
-# Shared set-up for scripts/demo.sh, scripts/test.sh and scripts/bench.sh.
+# Shared set-up for scripts/demo.sh, scripts/test.sh, scripts/bench.sh, scripts/wheel.sh and
+# scripts/assets.sh.
 #
 # Everything lakeml needs from outside the clone is installed into one cache directory,
 # keyed by version, and reused when present:
 #   $LAKEML_CACHE/venv-torch-<v>   Python venv: torch (libtorch for tch) + test/bench peers
 #   $LAKEML_CACHE/venv-mlflow-<v>  Python venv: the MLflow server the tracker tests talk to
+#   $LAKEML_CACHE/venv-maturin-<v> Python venv: maturin, which packs the wheel
+#   $LAKEML_CACHE/venv-moto-<v>, azurite-<v>  the S3 and Azure Blob servers of the tests
 #   $LAKEML_CACHE/assets/          the MiniLM model dir and the Rotten Tomatoes CSV
 #   $LAKEML_CACHE/target/          cargo's build directory (CARGO_TARGET_DIR)
 # Nothing here needs to be exported by hand; override LAKEML_CACHE to move the cache.
