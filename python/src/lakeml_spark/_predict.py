@@ -60,6 +60,10 @@ def _endpoints(endpoints) -> list[str]:
     return out
 
 
+class _Retryable(Exception):
+    """An exchange failed in a way another try may not (its __cause__ is the error)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Job:
     """Everything a task needs; pickled into the mapInArrow function."""
@@ -93,28 +97,37 @@ class _Job:
         for retry in range(self.retries + 1):
             uri = self.endpoints[(partition + attempt + retry) % n]
             try:
-                reply = _flight.exchange(uri, self.command, table, self.batch_rows, self.token,
-                                         self.timeout)
-                return reply.select(list(self.predicted))
-            except _flight.FATAL:
-                raise
-            except Exception as e:  # noqa: BLE001 - sorted below
-                if _flight.is_refusal(e) and not _resource_exhausted(e):
-                    raise
-                _flight.forget(uri)
-                last = e
+                return self.exchange(uri, self.token, table)
+            except _Retryable as e:
+                last = e.__cause__
                 if retry == self.retries:
                     break
                 delay = min(self.backoff * 2 ** retry, MAX_BACKOFF_S)
                 nxt = self.endpoints[(partition + attempt + retry + 1) % n]
                 print(f"lakeml_spark: partition {partition}: worker {uri} failed "
-                      f"({type(e).__name__}: {_first_line(e)}); retrying the partition "
+                      f"({type(last).__name__}: {_first_line(last)}); retrying the partition "
                       f"({table.num_rows} rows) on {nxt} in {delay:.1f} s "
                       f"(retry {retry + 1} of {self.retries})", file=sys.stderr, flush=True)
                 time.sleep(delay)
         raise WorkerError(f"lakeml_spark: partition {partition}: {self.retries + 1} attempts "
                           f"over {n} endpoint(s) failed; last error: {type(last).__name__}: "
                           f"{last}") from last
+
+    def exchange(self, uri: str, token: str | None, table: pa.Table) -> pa.Table:
+        """One DoExchange: the predicted columns. A failure worth another try (transport,
+        RESOURCE_EXHAUSTED) comes as _Retryable, its cause the error; a refusal or an auth
+        failure as it is."""
+        try:
+            reply = _flight.exchange(uri, self.command, table, self.batch_rows, token,
+                                     self.timeout)
+            return reply.select(list(self.predicted))
+        except _flight.FATAL:
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted here
+            if _flight.is_refusal(e) and not _resource_exhausted(e):
+                raise
+            _flight.forget(uri)
+            raise _Retryable() from e
 
     def call_local(self, table: pa.Table, partition: int) -> pa.Table:
         """The same on this executor's worker; a worker that fails the call is restarted
@@ -125,22 +138,15 @@ class _Job:
             uri, token, path = self.local.connect()
             try:
                 with self.local.busy(path):
-                    reply = _flight.exchange(uri, self.command, table, self.batch_rows, token,
-                                             self.timeout)
-                return reply.select(list(self.predicted))
-            except _flight.FATAL:
-                raise
-            except Exception as e:  # noqa: BLE001 - sorted below
-                if _flight.is_refusal(e) and not _resource_exhausted(e):
-                    raise
-                _flight.forget(uri)
+                    return self.exchange(uri, token, table)
+            except _Retryable as e:
                 self.local.restart(path, uri)
-                last = e
+                last = e.__cause__
                 if attempt == 0:
                     print(f"lakeml_spark: partition {partition}: the local worker {uri} failed "
-                          f"({type(e).__name__}: {_first_line(e)}); restarting it and sending "
-                          f"the partition ({table.num_rows} rows) again", file=sys.stderr,
-                          flush=True)
+                          f"({type(last).__name__}: {_first_line(last)}); restarting it and "
+                          f"sending the partition ({table.num_rows} rows) again",
+                          file=sys.stderr, flush=True)
         raise WorkerError(f"lakeml_spark: partition {partition}: the local worker failed twice; "
                           f"last error: {type(last).__name__}: {last}") from last
 
