@@ -23,6 +23,10 @@ pub(crate) struct ServeSpec {
     pub tls: Option<TlsSpec>,
     #[serde(default)]
     pub limits: LimitsSpec,
+    /// Delta tables held in memory at their latest version (reloaded when a new version
+    /// commits), for queries that scan them whole, such as an exact vector search.
+    #[serde(default)]
+    pub memory: Vec<String>,
     /// How long queries in flight may run on after SIGINT/SIGTERM (default `30s`).
     #[serde(default = "default_grace")]
     pub shutdown_grace: String,

@@ -6,7 +6,7 @@
 //! snapshot. The session is read-only: DDL, DML, `COPY` and `SET` are refused before
 //! anything runs, and no table function reads files.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use datafusion::catalog::{
@@ -14,7 +14,7 @@ use datafusion::catalog::{
     SchemaProvider,
 };
 use datafusion::common::ParamValues;
-use datafusion::datasource::TableProvider;
+use datafusion::datasource::{MemTable, TableProvider};
 use datafusion::execution::SessionStateBuilder;
 use datafusion::execution::context::SessionState;
 use datafusion::logical_expr::ScalarUDF;
@@ -45,6 +45,8 @@ pub(crate) type Versions = BTreeMap<String, i64>;
 struct Live {
     def: TableDef,
     table: tokio::sync::Mutex<Option<DeltaTable>>,
+    /// `serve.memory`: queries at the latest version read a copy in memory.
+    memory: bool,
 }
 
 /// The declared tables and the session every query starts from.
@@ -72,10 +74,12 @@ impl From<Error> for Refusal {
 }
 
 impl Lake {
-    /// Opens every declared table; `functions` are the served models' SQL functions.
+    /// Opens every declared table; `functions` are the served models' SQL functions, and
+    /// the tables in `memory` are read into memory now (and again at each new version).
     pub(crate) async fn open(
         tables: &BTreeMap<String, TableDef>,
         functions: Vec<ScalarUDF>,
+        memory: &BTreeSet<String>,
     ) -> Result<Self> {
         let config = SessionConfig::new()
             .with_information_schema(false)
@@ -134,25 +138,33 @@ impl Lake {
                         Live {
                             def: def.clone(),
                             table: tokio::sync::Mutex::new(table),
+                            memory: memory.contains(name),
                         },
                     );
                 }
                 _ => {
                     def.register(&ctx).await?;
-                    let provider = ctx
+                    let mut provider = ctx
                         .table_provider(name.as_str())
                         .await
                         .map_err(|e| Error::engine(format!("table `{name}`"), e))?;
+                    if memory.contains(name) {
+                        provider = in_memory(&ctx, name, provider).await?;
+                    }
                     fixed.insert(name.clone(), provider);
                 }
             }
         }
-        Ok(Self {
+        let lake = Self {
             live,
             fixed,
             at: Mutex::new(HashMap::new()),
             base: ctx.state(),
-        })
+        };
+        for (name, live) in lake.live.iter().filter(|(_, l)| l.memory) {
+            lake.provider(name, live, None).await?;
+        }
+        Ok(lake)
     }
 
     /// Declared table names.
@@ -235,7 +247,23 @@ impl Lake {
             return Ok(Some((version, p)));
         }
         let provider = if table.version() == u64::try_from(version).ok() {
-            table.table_provider().await.map_err(engine)?
+            let provider = table.table_provider().await.map_err(engine)?;
+            if live.memory {
+                let copy = in_memory(
+                    &SessionContext::new_with_state(self.base.clone()),
+                    name,
+                    provider,
+                )
+                .await?;
+                // One copy per table: the older versions' copies go (a ticket from before
+                // the new commit reads its version from storage).
+                if let Ok(mut at) = self.at.lock() {
+                    at.retain(|(n, _), _| n != name);
+                }
+                copy
+            } else {
+                provider
+            }
         } else {
             // A ticket from before the latest commit: that exact version, loaded apart.
             let mut old = live.def.open_delta(None).await?;
@@ -246,7 +274,8 @@ impl Lake {
         };
         if let Ok(mut at) = self.at.lock() {
             if at.len() >= PROVIDER_CACHE {
-                at.clear();
+                // Keep the in-memory copies: they are costly to make again.
+                at.retain(|(n, _), _| self.live.get(n).is_some_and(|l| l.memory));
             }
             at.insert((name.to_string(), version), provider.clone());
         }
@@ -260,6 +289,48 @@ impl Lake {
             .get(&(name.to_string(), version))
             .cloned()
     }
+}
+
+/// `provider`'s rows read into memory, in as many partitions as the session has cores, so
+/// a scan of them runs at memory speed on every core.
+async fn in_memory(
+    ctx: &SessionContext,
+    name: &str,
+    provider: Arc<dyn TableProvider>,
+) -> Result<Arc<dyn TableProvider>> {
+    let engine = |e| {
+        Error::engine(
+            format!("reading table `{name}` into memory (serve.memory)"),
+            e,
+        )
+    };
+    let started = std::time::Instant::now();
+    let schema = provider.schema();
+    let batches = ctx
+        .read_table(provider)
+        .map_err(engine)?
+        .collect()
+        .await
+        .map_err(engine)?;
+    let parts = ctx.state().config().target_partitions().max(1);
+    let mut partitions = vec![Vec::new(); parts];
+    let (rows, bytes) = batches.iter().fold((0, 0), |(r, b), x| {
+        (r + x.num_rows(), b + x.get_array_memory_size())
+    });
+    // Whole batches, dealt by rows so each partition holds about the same number.
+    let mut filled = vec![0usize; parts];
+    for batch in batches {
+        let i = (0..parts).min_by_key(|&i| filled[i]).unwrap_or(0);
+        filled[i] += batch.num_rows();
+        partitions[i].push(batch);
+    }
+    let table = MemTable::try_new(schema, partitions).map_err(engine)?;
+    eprintln!(
+        "lakeml serve: table `{name}` in memory: {rows} rows, {:.1} MiB, in {:.1}s",
+        bytes as f64 / (1024.0 * 1024.0),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(Arc::new(table))
 }
 
 /// Plans `sql` in `ctx` as a read-only query with `params` bound to its `?` / `$n`

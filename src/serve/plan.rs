@@ -3,12 +3,13 @@
 //! `embed`), the users file, TLS files and limits.
 //! Every error names the field and says what to do.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use super::auth::Auth;
+use crate::catalog::TableKind;
 use crate::config::{ServeSpec, parse_duration};
 use crate::model::ModelConfig;
 use crate::plan::{Inference, Pipeline, inference_settings, model_labels};
@@ -27,6 +28,8 @@ pub(crate) struct ServeConfig {
     pub max_queries: usize,
     pub query_timeout: Duration,
     pub grace: Duration,
+    /// Tables held in memory (`serve.memory`).
+    pub memory: BTreeSet<String>,
 }
 
 /// A model served as SQL functions.
@@ -177,9 +180,31 @@ impl ServeConfig {
                     }
                 })
         };
+        let mut memory = BTreeSet::new();
+        for name in &spec.memory {
+            let def = pipeline.tables.get(name).ok_or_else(|| {
+                format!(
+                    "serve.memory: `{name}` is not a declared table (declared: {})",
+                    pipeline
+                        .tables
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?;
+            if !matches!(def.kind, TableKind::Delta { .. }) {
+                return Err(format!(
+                    "serve.memory: `{name}` is not a Delta table; only Delta tables can be held \
+                     in memory (their versions say when the copy is stale)"
+                ));
+            }
+            memory.insert(name.clone());
+        }
         Ok(Self {
             listen,
             models,
+            memory,
             auth,
             tls,
             max_queries: spec.limits.max_concurrent_queries,
