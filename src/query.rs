@@ -27,14 +27,15 @@ impl Pipeline {
     }
 
     /// Runs `sql` over the pipeline's tables as they are now (Delta tables at their latest
-    /// version) and returns the result.
+    /// version) and returns the result. The `serve.models` the query calls (`embed(text)`,
+    /// `predict(text)`, ...) are loaded and run as `pipeline serve` runs them.
     pub async fn sql(&self, sql: &str) -> Result<Vec<RecordBatch>> {
         let ctx = catalog::session();
         self.register_tables(&ctx).await?;
-        let df = ctx
-            .sql(sql)
-            .await
-            .map_err(|e| Error::engine("the query", e))?;
+        for f in crate::serve::query_functions(self, sql).await? {
+            ctx.register_udf(f);
+        }
+        let df = crate::serve::plan_query(&ctx, sql).await?;
         df.collect()
             .await
             .map_err(|e| Error::engine("the query", e))

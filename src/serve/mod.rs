@@ -80,6 +80,83 @@ fn check_users(pipeline: &Pipeline, config: &ServeConfig) -> Result<()> {
     ))
 }
 
+/// The SQL functions of the `serve.models` that `sql` calls, with their models loaded, for
+/// `pipeline sql`: `SELECT id FROM docs ORDER BY cosine_distance(embedding,
+/// embed('query')) LIMIT 10` runs without a server. Models the query does not call are not
+/// loaded; a file without `serve.models` gives none.
+pub(crate) async fn query_functions(
+    pipeline: &Pipeline,
+    sql: &str,
+) -> Result<Vec<datafusion::logical_expr::ScalarUDF>> {
+    let Some(spec) = pipeline.serve.as_ref() else {
+        return Ok(Vec::new());
+    };
+    let called = udf::called_functions(sql);
+    let calls = |prefix: &str| udf::function_names(prefix).any(|name| called.contains(&name));
+    // The section is checked (and models loaded) only for a query that calls a model.
+    if !spec
+        .models
+        .keys()
+        .map(String::as_str)
+        .chain(["predict"])
+        .any(calls)
+    {
+        return Ok(Vec::new());
+    }
+    let config =
+        ServeConfig::from_pipeline(pipeline, None).map_err(|m| Error::config(&pipeline.file, m))?;
+    let mut started: BTreeMap<usize, Arc<scorer::Scorer>> = BTreeMap::new();
+    let mut functions = Vec::new();
+    for (prefix, i) in config.prefixes() {
+        if !calls(&prefix) {
+            continue;
+        }
+        let scorer = match started.get(&i) {
+            Some(s) => s.clone(),
+            None => {
+                let m = &config.models[i];
+                let s = Arc::new(
+                    scorer::Scorer::start(m)
+                        .await
+                        .map_err(|e| Error::Model(format!("serve.models.{}: {e}", m.name)))?,
+                );
+                started.insert(i, s.clone());
+                s
+            }
+        };
+        functions.extend(udf::functions(&prefix, &scorer));
+    }
+    Ok(functions)
+}
+
+/// Plans `sql` in `ctx` with the served models' calls lifted out of the expressions they
+/// sit in, as `pipeline serve` runs them.
+pub(crate) async fn plan_query(
+    ctx: &datafusion::prelude::SessionContext,
+    sql: &str,
+) -> Result<datafusion::prelude::DataFrame> {
+    let df = ctx.sql(sql).await.map_err(|e| {
+        let text = e.strip_backtrace();
+        if text.contains("Invalid function")
+            && (text.contains("'embed'") || text.contains("'predict"))
+        {
+            let hint = "`predict()` and `embed()` call a model of the file's `serve.models`, \
+                        e.g.\n  serve:\n    models:\n      minilm: \
+                        ~/.cache/lakeml/assets/all-MiniLM-L6-v2";
+            Error::engine(
+                "the query",
+                datafusion::error::DataFusionError::Plan(format!("{text}; {hint}")),
+            )
+        } else {
+            Error::engine("the query", e)
+        }
+    })?;
+    let (state, plan) = df.into_parts();
+    let plan = udf::lift_async_calls(plan).map_err(|e| Error::engine("the query", e))?;
+    udf::check_async_placement(&plan).map_err(|e| Error::engine("the query", e))?;
+    Ok(datafusion::prelude::DataFrame::new(state, plan))
+}
+
 impl Pipeline {
     /// Serves the pipeline's tables and models until SIGINT or SIGTERM; queries in flight
     /// then get `serve.shutdown_grace` to finish.
@@ -102,7 +179,7 @@ impl Pipeline {
             functions.extend(udf::functions(&prefix, &by_index[i]));
             scorers.insert(prefix, by_index[i].clone());
         }
-        let lake = lake::Lake::open(&self.tables, functions).await?;
+        let lake = lake::Lake::open(&self.tables, functions, &config.memory).await?;
         let auth = config.auth.is_some();
         let service = flight::Service::new(
             lake,

@@ -9,6 +9,7 @@
 //! [`check_async_placement`] refuses the rest (a join condition, a window) with a rewrite
 //! the user can apply.
 
+use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
@@ -23,6 +24,8 @@ use datafusion::logical_expr::{
     ColumnarValue, Expr, LogicalPlan, Projection, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl,
     Signature, Sort, TypeSignature, Volatility,
 };
+use datafusion::sql::sqlparser::dialect::GenericDialect;
+use datafusion::sql::sqlparser::tokenizer::{Token, Tokenizer};
 use tonic::async_trait;
 
 use super::scorer::Scorer;
@@ -167,6 +170,30 @@ pub(crate) fn functions(prefix: &str, scorer: &Arc<Scorer>) -> Vec<ScalarUDF> {
                 ),
             };
             AsyncScalarUDF::new(Arc::new(f)).into_scalar_udf()
+        })
+        .collect()
+}
+
+/// The names the functions of a model under `prefix` may have.
+pub(crate) fn function_names(prefix: &str) -> impl Iterator<Item = String> + '_ {
+    Output::ALL.into_iter().map(move |o| o.name(prefix))
+}
+
+/// The lower-case names `sql` calls as functions (a word followed by `(`), outside strings
+/// and comments.
+pub(crate) fn called_functions(sql: &str) -> BTreeSet<String> {
+    let Ok(tokens) = Tokenizer::new(&GenericDialect {}, sql).tokenize() else {
+        return BTreeSet::new();
+    };
+    let words: Vec<&Token> = tokens
+        .iter()
+        .filter(|t| !matches!(t, Token::Whitespace(_)))
+        .collect();
+    words
+        .windows(2)
+        .filter_map(|w| match (w[0], w[1]) {
+            (Token::Word(word), Token::LParen) => Some(word.value.to_lowercase()),
+            _ => None,
         })
         .collect()
 }
