@@ -177,7 +177,7 @@ pub(crate) struct TrainSpec {
 
 /// `predict`: a model over a table's text; the predictions go into a Delta table, exactly
 /// once per source version. `embed` takes the same keys (less `labels`, `logits` and
-/// `text_pair`, plus `normalize` and `dims`) and writes sentence vectors instead.
+/// `text_pair`, plus `normalize`, `dims` and `quantize`) and writes sentence vectors instead.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct PredictSpec {
@@ -232,6 +232,18 @@ pub(crate) struct PredictSpec {
     pub normalize: Option<bool>,
     /// `embed`: keep the first `dims` values of each vector (Matryoshka), then normalize.
     pub dims: Option<usize>,
+    /// `embed`: store the vectors quantized (`int8`: one scale per row), a quarter of the
+    /// bytes of float32.
+    pub quantize: Option<Quantize>,
+}
+
+/// How an embed stage stores its vectors.
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Quantize {
+    /// `embedding list<int8>` and `embedding_scale float32`: each value is about
+    /// `embedding[i] * embedding_scale`, with the row's largest |value| at 127.
+    Int8,
 }
 
 /// How a predict stage treats rows already in its table.

@@ -447,7 +447,11 @@ impl Pipeline {
                         .map_err(err)?;
                     let tokenized = tokenize::output_schema(&schema, &p.policy)?;
                     let out = match &p.embed {
-                        Some(_) => crate::predict::embeddings_schema(&tokenized, &p.policy),
+                        Some(e) => crate::predict::embeddings_schema(
+                            &tokenized,
+                            &p.policy,
+                            e.quantize.is_some(),
+                        ),
                         None => {
                             crate::predict::output_schema(&tokenized, &p.policy, p.settings.logits)
                         }

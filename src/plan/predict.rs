@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 
 use super::train::device;
 use super::{Stage, query};
-use crate::config::{OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec, Truncation};
+use crate::config::{
+    OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec, Quantize, Truncation,
+};
 use crate::model::ModelConfig;
 use crate::predict::{Pooling, PredictSettings};
 use crate::tokenize::RowPolicy;
@@ -46,6 +48,8 @@ pub(crate) struct Embedding {
     pub pooling: Pooling,
     pub dims: usize,
     pub normalize: bool,
+    /// Stored quantized (`embedding_scale` then follows `embedding`).
+    pub quantize: Option<Quantize>,
 }
 
 impl PredictStage {
@@ -97,6 +101,7 @@ fn embedding(
         normalize: p.normalize.unwrap_or(pooling.normalize),
         pooling,
         dims,
+        quantize: p.quantize,
     })
 }
 
@@ -212,6 +217,7 @@ pub(super) fn predict_stage(
         for (key, given) in [
             ("normalize", p.normalize.is_some()),
             ("dims", p.dims.is_some()),
+            ("quantize", p.quantize.is_some()),
         ] {
             if given {
                 return Err(format!("{f}.{key}: applies to embed stages"));
@@ -371,7 +377,13 @@ pub(crate) fn inference_settings(
 }
 
 /// Columns the embeddings table holds besides the `keep` ones.
-pub(super) const EMBED_COLUMNS: &[&str] = &["embedding", "model_version", "run_id", "embedded_at"];
+pub(super) const EMBED_COLUMNS: &[&str] = &[
+    "embedding",
+    "embedding_scale",
+    "model_version",
+    "run_id",
+    "embedded_at",
+];
 
 /// Columns the predictions table holds besides the `keep` ones.
 pub(super) const PREDICT_COLUMNS: &[&str] = &[

@@ -1,13 +1,14 @@
 //! The predictions table (ARCHITECTURE.md): `id`, `label`, `label_id`, `score`, `probabilities`,
 //! optionally `logits`, `model_version`, `run_id`, `predicted_at`, then the `keep` columns;
 //! and the embeddings table: `id`, `embedding` (`list<float32>` of `dims` values: Delta has no
-//! fixed-size array type, so this is what every reader sees), `model_version`, `run_id`,
-//! `embedded_at`, then the `keep` columns.
+//! fixed-size array type, so this is what every reader sees; or `list<int8>` followed by
+//! `embedding_scale float32` when quantized), `model_version`, `run_id`, `embedded_at`, then
+//! the `keep` columns.
 
 use std::sync::Arc;
 
 use arrow::array::{
-    ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch, StringArray,
+    ArrayRef, Float32Array, Int8Array, Int64Array, ListArray, RecordBatch, StringArray,
     TimestampMicrosecondArray,
 };
 use arrow::buffer::{NullBuffer, OffsetBuffer};
@@ -179,21 +180,52 @@ pub(crate) fn predictions_batch(
         .map_err(|e| Error::Internal(format!("building a predictions batch: {e}")))
 }
 
-/// The embeddings schema for a tokenized schema (`id`, `input_ids`, `length`, keep...).
-pub(crate) fn embeddings_schema(tokenized: &Schema, policy: &RowPolicy) -> SchemaRef {
-    let mut fields = vec![
-        tokenized.field(0).clone(),
-        Field::new("embedding", float_list(), false),
-    ];
+/// The embeddings schema for a tokenized schema (`id`, `input_ids`, `length`, keep...);
+/// `quantized`: int8 vectors and their scale.
+pub(crate) fn embeddings_schema(
+    tokenized: &Schema,
+    policy: &RowPolicy,
+    quantized: bool,
+) -> SchemaRef {
+    let mut fields = vec![tokenized.field(0).clone()];
+    if quantized {
+        let int8 = DataType::List(Arc::new(Field::new_list_field(DataType::Int8, false)));
+        fields.push(Field::new("embedding", int8, false));
+        fields.push(Field::new("embedding_scale", DataType::Float32, false));
+    } else {
+        fields.push(Field::new("embedding", float_list(), false));
+    }
     fields.extend(tail_fields(tokenized, policy, "embedded_at"));
     Arc::new(Schema::new(fields))
 }
 
-/// The embeddings of one tokenized window from its vectors (`[rows, dims]`, row-major).
+/// Symmetric int8 quantization of each `width`-value row: the values over the row's scale
+/// (its largest |value| / 127), rounded; returns the int8 rows and the scales. A zero row
+/// has scale 0.
+fn quantize_rows(values: &[f32], width: usize) -> (Vec<i8>, Vec<f32>) {
+    let mut out = Vec::with_capacity(values.len());
+    let mut scales = Vec::with_capacity(values.len() / width.max(1));
+    for row in values.chunks(width.max(1)) {
+        let top = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let scale = top / 127.0;
+        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        // In range by construction: |x| * 127 / top <= 127.
+        out.extend(
+            row.iter()
+                .map(|x| (x * inverse).round().clamp(-127.0, 127.0) as i8),
+        );
+        scales.push(scale);
+    }
+    (out, scales)
+}
+
+/// The embeddings of one tokenized window from its vectors (`[rows, dims]`, row-major),
+/// int8 with a scale per row if `quantized`.
 pub(crate) fn embeddings_batch(
     tokenized: &RecordBatch,
     vectors: &[f32],
     dims: usize,
+    quantized: bool,
     meta: &Meta,
     policy: &RowPolicy,
     schema: &SchemaRef,
@@ -205,11 +237,42 @@ pub(crate) fn embeddings_batch(
             vectors.len()
         )));
     }
-    let mut columns: Vec<ArrayRef> = vec![
-        column(tokenized, &policy.id)?,
-        Arc::new(float_rows(vectors.to_vec(), dims, None)),
-    ];
+    let mut columns: Vec<ArrayRef> = vec![column(tokenized, &policy.id)?];
+    if quantized {
+        let (values, scales) = quantize_rows(vectors, dims);
+        columns.push(Arc::new(ListArray::new(
+            Arc::new(Field::new_list_field(DataType::Int8, false)),
+            OffsetBuffer::from_lengths(std::iter::repeat_n(dims, rows)),
+            Arc::new(Int8Array::from(values)),
+            None,
+        )));
+        columns.push(Arc::new(Float32Array::from(scales)));
+    } else {
+        columns.push(Arc::new(float_rows(vectors.to_vec(), dims, None)));
+    }
     columns.extend(tail_columns(tokenized, policy, meta)?);
     RecordBatch::try_new(schema.clone(), columns)
         .map_err(|e| Error::Internal(format!("building an embeddings batch: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantize_rows;
+
+    #[test]
+    fn int8_rows_put_each_rows_largest_value_at_127_and_round_trip_within_half_a_step() {
+        let rows = [
+            0.5f32, -0.25, 0.125, 0.0, // a row with its top at +0.5
+            0.0, 0.0, 0.0, 0.0, // a zero row
+            -2.0, 1.0, 0.01, 0.5, // a row with its top at -2
+        ];
+        let (q, scales) = quantize_rows(&rows, 4);
+        assert_eq!(q, [127, -64, 32, 0, 0, 0, 0, 0, -127, 64, 1, 32]);
+        assert_eq!(scales, [0.5 / 127.0, 0.0, 2.0 / 127.0]);
+        for (row, (values, scale)) in rows.chunks(4).zip(q.chunks(4).zip(&scales)) {
+            for (x, v) in row.iter().zip(values) {
+                assert!((x - f32::from(*v) * scale).abs() <= scale / 2.0 + 1e-7);
+            }
+        }
+    }
 }

@@ -131,10 +131,15 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
         table: stage.to.clone(),
         pooling: stage.embed.as_ref().map(|e| {
             format!(
-                "{}; {} dims{}",
+                "{}; {} dims{}{}",
                 e.pooling.source,
                 e.dims,
-                if e.normalize { ", normalized" } else { "" }
+                if e.normalize { ", normalized" } else { "" },
+                if e.quantize.is_some() {
+                    ", stored as int8 with a scale per row"
+                } else {
+                    ""
+                }
             )
         }),
         ..Default::default()
@@ -255,10 +260,10 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
     });
     let tokenized_schema = tokenize::output_schema(&schema, policy)?;
     let schema = match &stage.embed {
-        Some(_) => embeddings_schema(&tokenized_schema, policy),
+        Some(e) => embeddings_schema(&tokenized_schema, policy, e.quantize.is_some()),
         None => output_schema(&tokenized_schema, policy, s.logits),
     };
-    let dims = stage.embed.as_ref().map(|e| e.dims);
+    let dims = stage.embed.as_ref().map(|e| (e.dims, e.quantize.is_some()));
     let counters = Arc::new(Counters::default());
     let bar = run.progress(&stage.name);
     let in_flight = if stage.device.is_cuda() {
@@ -309,8 +314,10 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
                     }
                     let ids = tokenized.column(1).as_list::<i32>().clone();
                     let output = engine.run(ids).await.map_err(external)?;
-                    if let Some(dims) = dims {
-                        embeddings_batch(&tokenized, &output, dims, &meta, &policy, &schema)
+                    if let Some((dims, quantized)) = dims {
+                        embeddings_batch(
+                            &tokenized, &output, dims, quantized, &meta, &policy, &schema,
+                        )
                     } else {
                         predictions_batch(&tokenized, &output, &meta, &policy, &schema)
                     }
