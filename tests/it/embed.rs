@@ -83,6 +83,8 @@ fn cases(s: &Scratch) -> Vec<(String, String, usize, bool, &'static str)> {
         ("last".into(), fixture("st_lasttoken"), 384, false, "fp32"),
         ("short".into(), fixture("st_mean_norm"), 128, true, "fp32"),
         ("half".into(), fixture("st_mean_norm"), 384, true, "bf16"),
+        // Stored as int8 with a scale per row (`quantize: int8`).
+        ("packed".into(), fixture("st_mean_norm"), 384, true, "fp32"),
     ]
 }
 
@@ -107,9 +109,14 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
         } else {
             format!(", dims: {dims}")
         };
+        let quantize = if table == "packed" {
+            ", quantize: int8"
+        } else {
+            ""
+        };
         yaml += &format!(
             "  - embed: {{ from: reviews, model: '{model}', keep: [truth], to: {table}{dims}, \
-             precision: {precision} }}\n"
+             precision: {precision}{quantize} }}\n"
         );
     }
     s.write("e.yaml", &yaml);
@@ -130,6 +137,11 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
     assert_eq!(
         pooling[6],
         "modules.json: mean pooling, normalized; 128 dims, normalized"
+    );
+    assert_eq!(
+        pooling[8],
+        "modules.json: mean pooling, normalized; 384 dims, normalized, stored as int8 with a \
+         scale per row"
     );
     assert!(
         reports
@@ -162,12 +174,22 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
     {
         assert_eq!(case["rows"], ROWS as u64, "{table}: {case}");
         assert_eq!(case["ids_equal"], true, "{table}");
-        // Delta has no fixed-size arrays: a list of `dims` floats.
-        assert_eq!(case["type"], "list<element: float not null>", "{table}");
+        // Delta has no fixed-size arrays: a list of `dims` floats (or int8s).
+        let element = if table == "packed" { "int8" } else { "float" };
+        assert_eq!(
+            case["type"],
+            format!("list<element: {element} not null>"),
+            "{table}"
+        );
         assert_eq!(case["lengths"], serde_json::json!([dims]), "{table}");
         let cosine = case["min_cosine"].as_f64().unwrap_or_default();
         let diff = case["max_abs_diff"].as_f64().unwrap_or(f64::MAX);
-        if *precision == "fp32" {
+        if table == "packed" {
+            // Each value rounded to 1/254 of its row's largest |value| (about 0.2 here).
+            assert!(cosine >= 0.9999, "{table}: min cosine {cosine}");
+            assert!(diff <= 2e-3, "{table}: max |Δ| {diff}");
+            eprintln!("int8 storage: min cosine {cosine}, max |Δ| {diff}");
+        } else if *precision == "fp32" {
             // fp32 against PyTorch fp32: the same vectors to float32 rounding.
             assert!(cosine >= 0.99999, "{table}: min cosine {cosine}");
             assert!(diff <= 1e-4, "{table}: max |Δ| {diff}");
@@ -176,10 +198,12 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
             assert!(cosine >= 0.999, "{table}: min cosine {cosine}");
         }
         if *normalize {
+            // int8 values are normalized before rounding: their norm is 1 to about 1e-3.
+            let within = if table == "packed" { 2e-3 } else { 1e-5 };
             let norms = &case["norms"];
             assert!(
-                (norms[0].as_f64().unwrap_or_default() - 1.0).abs() < 1e-5
-                    && (norms[1].as_f64().unwrap_or_default() - 1.0).abs() < 1e-5,
+                (norms[0].as_f64().unwrap_or_default() - 1.0).abs() < within
+                    && (norms[1].as_f64().unwrap_or_default() - 1.0).abs() < within,
                 "{table}: {norms}"
             );
         }
@@ -208,16 +232,20 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
         "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, [{}]), id LIMIT 5",
         query.join(", ")
     );
-    let out = s.pipeline(&["sql", "e.yaml", &sql]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ids: Vec<u64> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.trim().trim_matches('|').trim().parse().ok())
-        .collect();
+    // The ids `pipeline sql FILE SQL` prints.
+    let sql_ids = |file: &str, sql: &str| -> Vec<u64> {
+        let out = s.pipeline(&["sql", file, sql]);
+        assert!(
+            out.status.success(),
+            "{sql}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.trim().trim_matches('|').trim().parse().ok())
+            .collect()
+    };
+    let ids = sql_ids("e.yaml", &sql);
     let nearest: Vec<u64> = first["nearest"]
         .as_array()
         .expect("nearest")
@@ -228,14 +256,15 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
     assert_eq!(ids[0], 7);
 
     // `pipeline serve`, through ADBC's Flight SQL driver: `<model>_embed(text)` gives the
-    // stage's vectors, and a search embeds its query text once and finds numpy's nearest.
+    // stage's vectors, and a search embeds its query text once and finds numpy's nearest,
+    // over the table held in memory (`serve.memory`).
     s.write(
         "serve.yaml",
         &format!(
             "name: served\ntables:\n  reviews: {{ delta: lake/reviews }}\n  \
              mean_norm: {{ delta: lake/mean_norm }}\n\
              serve:\n  listen: 127.0.0.1:0\n  auth: {{ tokens: ['${{LAKEML_TOKEN}}'] }}\n  \
-             models:\n    minilm: {{ path: '{}' }}\n",
+             memory: [mean_norm]\n  models:\n    minilm: {{ path: '{}' }}\n",
             s.path().join("st_mean_norm").display()
         ),
     );
@@ -271,6 +300,39 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
     .filter_map(|r| r[0].as_u64())
     .collect();
     assert_eq!(found, nearest, "served search");
+    assert!(
+        served
+            .stderr()
+            .contains("table `mean_norm` in memory: 60 rows"),
+        "{}",
+        served.stderr()
+    );
+
+    // The same search in `pipeline sql`, with no server: the file's `serve.models` run in
+    // the process. A file without them says where `embed()` comes from.
+    s.write(
+        "search.yaml",
+        &format!(
+            "name: search\ntables:\n  mean_norm: {{ delta: lake/mean_norm }}\n\
+             serve:\n  models:\n    minilm: '{}'\n",
+            s.path().join("st_mean_norm").display()
+        ),
+    );
+    let search = format!(
+        "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, embed('{text}')), id \
+         LIMIT 5"
+    );
+    assert_eq!(
+        sql_ids("search.yaml", &search),
+        nearest,
+        "pipeline sql search"
+    );
+    let out = s.pipeline(&["sql", "e.yaml", "SELECT embed('great acting')"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("serve.models"),
+        "{stderr}"
+    );
 
     // lakeml_spark.embed from Spark local[2], a dead endpoint first: every review gets the
     // stage's vector, through the failover.
@@ -299,6 +361,31 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
     assert_eq!(spark["type"], "array<float>", "{spark}");
     let cosine = spark["min_cosine"].as_f64().unwrap_or_default();
     assert!(cosine >= 0.99999, "Spark vs the stage: min cosine {cosine}");
+
+    // A new version of the table in memory is read again: a copy of id 7 as id 999 is
+    // found next to it.
+    s.write(
+        "append.yaml",
+        "name: append\ntables:\n  mean_norm: { delta: lake/mean_norm }\nstages:\n  - write:\n      \
+         sql: SELECT CAST(999 AS BIGINT) AS id, embedding, model_version, run_id, embedded_at, \
+         truth FROM mean_norm WHERE id = 7\n      to: mean_norm\n      mode: append\n",
+    );
+    s.run_ok(&["append.yaml"]);
+    let found: Vec<u64> = query(&format!(
+        "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, embed('{text}')), id \
+         LIMIT 2"
+    ))
+    .iter()
+    .filter_map(|r| r[0].as_u64())
+    .collect();
+    assert_eq!(found, [7, 999], "search after an append");
+    assert!(
+        served
+            .stderr()
+            .contains("table `mean_norm` in memory: 61 rows"),
+        "{}",
+        served.stderr()
+    );
     served.stop();
 
     // A rerun over the same source version writes nothing.

@@ -4,7 +4,7 @@ texts and model, and answer a nearest-neighbour query with numpy.
 usage: embed_reference.py REVIEWS_TABLE CASES_JSON
 CASES_JSON: [{"table": path, "model": dir, "dims": n, "normalize": bool}, ...]
 prints JSON: per case the rows, ids_equal, min_cosine, max_abs_diff, the arrow type of
-`embedding`; and for the first case the vector of id 7 and numpy's 5 nearest ids to it by
+`embedding` (int8 vectors are compared as `embedding * embedding_scale`); and for the first case the vector of id 7 and numpy's 5 nearest ids to it by
 cosine distance (ties by id); for a table named `half` (the first case in bf16), the
 cosine to the first case's vectors and the top-10 overlap of every row's neighbours.
 """
@@ -27,6 +27,8 @@ def main() -> None:
         rows = sorted(table.to_pylist(), key=lambda r: r["id"])
         ids = [r["id"] for r in rows]
         ours = np.array([r["embedding"] for r in rows], dtype=np.float32)
+        if "embedding_scale" in table.column_names:
+            ours *= np.array([r["embedding_scale"] for r in rows], dtype=np.float32)[:, None]
         model = SentenceTransformer(case["model"], device="cpu")
         theirs = model.encode([text[i] for i in ids], batch_size=32, convert_to_numpy=True)
         theirs = theirs[:, : case["dims"]]
