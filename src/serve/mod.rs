@@ -211,13 +211,18 @@ impl Pipeline {
                 format!("{}(){default}", m.name)
             })
             .collect();
-        println!("lakeml serve: listening on {scheme}://{address}");
-        println!(
-            "  tables: {}; models: {}",
+        // Written once, errors ignored: a launcher that reads the address and then closes
+        // the pipe must not bring the server down (println! panics on EPIPE).
+        let banner = format!(
+            "lakeml serve: listening on {scheme}://{address}\n  tables: {}; models: {}\n{}\n",
             declared.iter().copied().collect::<Vec<_>>().join(", "),
-            models.join(", ")
+            models.join(", "),
+            snippet(scheme, &address.to_string(), auth)
         );
-        println!("{}", snippet(scheme, &address.to_string(), auth));
+        let mut stdout = std::io::stdout().lock();
+        let _ = std::io::Write::write_all(&mut stdout, banner.as_bytes())
+            .and_then(|()| std::io::Write::flush(&mut stdout));
+        drop(stdout);
 
         let flight = FlightServiceServer::new(flight::Front(Arc::new(service)))
             .max_decoding_message_size(MAX_MESSAGE)

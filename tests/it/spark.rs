@@ -9,9 +9,10 @@
 //! The predictions are compared with the predict stage's over all 12,808 reviews; the
 //! failure tests use a few hundred (the same code paths, a shorter CI).
 //!
-//! The package is imported from the checkout (python/src on PYTHONPATH, inherited by the
-//! local Spark's Python workers), so the tests run the working tree's code even when an older
-//! `pip install ./python` sits in the venv.
+//! The package is imported from the checkout: the driver has python/src first on PYTHONPATH,
+//! and the cached venv that the Python workers run holds a `.pth` file naming the python/src
+//! of the checkout that last ran `ensure_venv` (scripts/env.sh), which is this one when the
+//! tests run through scripts/test.sh.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
