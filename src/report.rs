@@ -38,6 +38,9 @@ pub struct StageReport {
     /// Embedding: how the vectors were pooled, and where that came from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pooling: Option<String>,
+    /// Predict and embed: the precision the model ran at (after a CPU fallback).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<String>,
 }
 
 impl StageReport {

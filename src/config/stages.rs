@@ -261,9 +261,20 @@ pub(crate) enum PredictMode {
 #[serde(rename_all = "lowercase")]
 pub(crate) enum Precision {
     Fp32,
+    /// On CPU, inference runs bf16 only where the CPU has bf16 dot products (else fp32).
     Bf16,
     /// Inference only, on CPU: int8 products in the encoder (see `model::Linear`).
     Int8,
+}
+
+impl Precision {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Int8 => "int8",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, serde::Serialize, PartialEq, Eq)]

@@ -290,11 +290,7 @@ fn int8_or_fallback(f: &str) -> Precision {
     eprintln!(
         "lakeml: warning: {f}.precision: int8 needs int8 dot-product instructions (AVX512-VNNI \
          or AVX-VNNI, Arm dotprod), which this CPU lacks; running in {} instead",
-        if fallback == Precision::Bf16 {
-            "bf16"
-        } else {
-            "fp32"
-        }
+        fallback.name()
     );
     fallback
 }
@@ -357,6 +353,14 @@ pub(crate) fn inference_settings(
             ));
         }
         Some(Precision::Int8) => int8_or_fallback(f),
+        Some(Precision::Bf16) if !device.is_cuda() && !crate::gemm::bf16_dot_products() => {
+            eprintln!(
+                "lakeml: warning: {f}.precision: bf16 on CPU needs bf16 dot-product instructions \
+                 (AVX512-BF16 or AMX, Arm bf16), which this CPU lacks: emulated bf16 products \
+                 run several times slower than fp32; running in fp32 instead"
+            );
+            Precision::Fp32
+        }
         Some(precision) => precision,
         None if device.is_cuda() => Precision::Bf16,
         None => Precision::Fp32,

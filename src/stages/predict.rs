@@ -142,6 +142,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &PredictStage) -> Result<StageRepo
                 }
             )
         }),
+        precision: Some(s.precision.name().to_string()),
         ..Default::default()
     };
 

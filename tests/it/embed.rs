@@ -209,9 +209,21 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
         }
     }
 
+    // bf16 runs only on a CPU with bf16 dot products; elsewhere the stage says so and runs
+    // fp32 (emulated bf16 is several times slower than fp32).
+    let native_bf16 = std::fs::read_to_string("/proc/cpuinfo")
+        .is_ok_and(|c| c.contains(" avx512_bf16") || c.contains(" amx_bf16"));
+    assert_eq!(
+        reports[7]["precision"],
+        if native_bf16 { "bf16" } else { "fp32" },
+        "{:?}",
+        reports[7]
+    );
+    assert_eq!(reports[0]["precision"], "fp32");
     // bf16's neighbours: every row as a query, its 10 nearest by bf16 vectors against fp32's.
-    // Measured 98.8% here (7 of 600 neighbours differ, all near rank 10); the goal
-    // is 99%, not met yet: this guards against a regression below 98%.
+    // Measured 98.8% on an AVX512-BF16 CPU (7 of 600 neighbours differ, all near rank 10);
+    // the goal is 99%, not met: sentence-transformers' own bf16 gets 98.0-99.0% on
+    // such measures (see docs/embeddings.md). This guards against a regression below 98%.
     let half = &compared[7];
     let overlap = half["top10_overlap_with_fp32"].as_f64().unwrap_or_default();
     assert!(overlap >= 0.98, "bf16 top-10 overlap with fp32: {half}");
