@@ -273,17 +273,23 @@ def _resource_exhausted(e: BaseException) -> bool:
     return "resource exhausted" in text or "resource_exhausted" in text or "resourceexhausted" in text
 
 
+def _appended_schema(uri: str, token: str | None, command: dict, sent: list[str],
+                     timeout: float) -> pa.Schema:
+    """The worker's answer to one row of empty text: the schema of the columns it appends
+    (the model's label type included)."""
+    row = pa.table({c: pa.array([""], pa.string()) for c in sent})
+    reply = _flight.exchange(uri, command, row, 1, token, timeout)
+    return pa.schema([f for f in reply.schema if f.name not in sent])
+
+
 def probe(endpoints: list[str], token: str | None, command: dict, sent: list[str],
           timeout: float, retries: int, backoff: float) -> pa.Schema:
-    """The worker's answer to one row of empty text: the schema of the columns it appends
-    (the model's label type included), from the first endpoint that answers."""
-    row = pa.table({c: pa.array([""], pa.string()) for c in sent})
+    """_appended_schema() from the first endpoint that answers."""
     last = None
     for retry in range(max(retries + 1, len(endpoints))):
         uri = endpoints[retry % len(endpoints)]
         try:
-            reply = _flight.exchange(uri, command, row, 1, token, timeout)
-            return pa.schema([f for f in reply.schema if f.name not in sent])
+            return _appended_schema(uri, token, command, sent, timeout)
         except _flight.FATAL:
             raise
         except Exception as e:  # noqa: BLE001
@@ -304,10 +310,9 @@ def probe_local(sc, local: LocalWorker, command: dict, sent: list[str],
 
     def lakeml_probe(_):
         uri, token, path = local.connect()
-        row = pa.table({c: pa.array([""], pa.string()) for c in sent})
         with local.busy(path):
-            reply = _flight.exchange(uri, command, row, 1, token, timeout)
-        yield pa.schema([f for f in reply.schema if f.name not in sent]).serialize().to_pybytes()
+            schema = _appended_schema(uri, token, command, sent, timeout)
+        yield schema.serialize().to_pybytes()
 
     (schema,) = sc.parallelize([0], 1).mapPartitions(lakeml_probe).collect()
     return pa.ipc.read_schema(pa.py_buffer(schema))
