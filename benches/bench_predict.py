@@ -83,28 +83,32 @@ LAKEML_SIDES = {"lakeml": {}, "lakeml_generic": {"LAKEML_MKL_OVERRIDE": "0"}}
 
 # --- lakeml side -----------------------------------------------------------------------------
 
-def lakeml_side(bin_: str, yaml: str, precision: str, env: dict, side: str = "lakeml") -> dict:
-    """One timed lakeml run: the predict stage of benches/pipelines/predict.yaml (`side`: one of
-    LAKEML_SIDES; bench_serve.py and bench_spark.py call it for the plain one)."""
+def lakeml_side(bin_: str, yaml: str, precision: str, env: dict, side: str = "lakeml",
+                kind: str = "predict") -> dict:
+    """One timed lakeml run: the `kind` stage (predict, or embed for bench_embed.py) of `yaml`,
+    benches/pipelines/predict.yaml here (`side`: one of LAKEML_SIDES; bench_serve.py and
+    bench_spark.py call it for the plain one). `warnings`: the run's `lakeml: warning:` lines
+    (such as int8 running at another precision on a CPU without int8 dot products)."""
     r = run_measured([bin_, "run", "--json", "--quiet", "--force", yaml],
                      dict(env, LAKEML_PRECISION=precision, LAKEML_BENCH_SIDE=side, **LAKEML_SIDES[side]))
     if r["rc"] != 0:
         raise SideFailed(f"lakeml ({precision}): `pipeline run {yaml}` exited {r['rc']}:\n{tail(r['stderr'])}")
-    reports = [x for x in stage_reports(r["stdout"]) if x.get("kind") == "predict"]
+    reports = [x for x in stage_reports(r["stdout"]) if x.get("kind") == kind]
     if not reports:
-        raise SideFailed(f"lakeml ({precision}): no predict stage report in its output:\n{tail(r['stdout'])}")
+        raise SideFailed(f"lakeml ({precision}): no {kind} stage report in its output:\n{tail(r['stdout'])}")
     rep = reports[-1]
     return {"side": side, "precision": precision, "rows": rep["rows_out"], "tokens": rep.get("tokens"),
             "stage_s": rep["seconds"], "predict_s": None, "rss_mib": r["rss_mib"], "wall_s": r["wall"],
-            "report": rep}
+            "report": rep, "warnings": [x for x in r["stderr"].splitlines() if x.startswith("lakeml: warning")]}
 
 
 # --- HF sides (child processes) --------------------------------------------------------------
 
-def sorted_batches(tok, texts: list[str]):
-    """The careful sides' batching: tokenized (fast tokenizer, truncation at 512), rows sorted
-    by length, BATCH_SIZE rows per batch padded to the longest; yields (row indices, batch)."""
-    enc = tok(texts, truncation=True)["input_ids"]
+def sorted_batches(tok, texts: list[str], max_length: int | None = None):
+    """The careful sides' batching: tokenized (fast tokenizer, truncation at max_length, by
+    default the tokenizer's model_max_length: 512), rows sorted by length, BATCH_SIZE rows per
+    batch padded to the longest; yields (row indices, batch)."""
+    enc = tok(texts, truncation=True, max_length=max_length)["input_ids"]
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
     for start in range(0, len(order), BATCH_SIZE):
         rows = order[start:start + BATCH_SIZE]
@@ -122,13 +126,7 @@ def careful_child(kind: str, texts: list[str], model: str, precision: str, threa
     if kind == "ort":
         import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # LAKEML_BENCH_ONNX: the directory export_onnx wrote (by the driver, not timed).
-        path = os.path.join(os.environ["LAKEML_BENCH_ONNX"], "model.int8.onnx" if precision == "int8" else "model.onnx")
-        session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        session = ort_session(precision, threads)
         t0 = time.perf_counter()
         for rows, b in sorted_batches(tok, texts):
             out = session.run(None, {"input_ids": b["input_ids"].astype(np.int64),
@@ -150,16 +148,42 @@ def careful_child(kind: str, texts: list[str], model: str, precision: str, threa
     return np.stack(rows_out), time.perf_counter() - t0, {"mkl_override": "LD_PRELOAD" in os.environ}
 
 
-def export_onnx(model: str, out: str) -> None:
-    """Child process (not timed): `torch.onnx.export` of the classifier (dynamic batch and
-    length) to out/model.onnx, and `quantize_dynamic` of it to out/model.int8.onnx."""
+def ort_session(precision: str, threads: int):
+    """An ONNX Runtime CPU session of the model export_onnx wrote to LAKEML_BENCH_ONNX (by the
+    driver, not timed): the int8 one at int8, else fp32; `threads` intra-op threads."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    path = os.path.join(os.environ["LAKEML_BENCH_ONNX"], "model.int8.onnx" if precision == "int8" else "model.onnx")
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def export_onnx(model: str, out: str, encoder: bool = False) -> None:
+    """Child process (not timed): `torch.onnx.export` of the classifier (output `logits`), or
+    with `encoder` of the bare encoder (AutoModel, output `last_hidden_state`; bench_embed.py),
+    dynamic batch and length, to out/model.onnx, and `quantize_dynamic` of it to
+    out/model.int8.onnx."""
     import warnings
 
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-    net = AutoModelForSequenceClassification.from_pretrained(model).eval()
+    if encoder:
+        class Encoder(torch.nn.Module):  # the encoder's token states alone (no pooler output)
+            def __init__(self):
+                super().__init__()
+                self.net = AutoModel.from_pretrained(model)
+
+            def forward(self, input_ids, attention_mask):
+                return self.net(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+        net, output, output_axes = Encoder().eval(), "last_hidden_state", {0: "b", 1: "t"}
+    else:
+        net, output, output_axes = AutoModelForSequenceClassification.from_pretrained(model).eval(), "logits", {0: "b"}
     b = AutoTokenizer.from_pretrained(model)(["an example", "a longer example sentence"], padding=True,
                                              return_tensors="pt")
     os.makedirs(out, exist_ok=True)
@@ -167,9 +191,9 @@ def export_onnx(model: str, out: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(net, (b["input_ids"], b["attention_mask"]), os.path.join(out, "model.onnx"),
-                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          input_names=["input_ids", "attention_mask"], output_names=[output],
                           dynamic_axes={"input_ids": {v: k for k, v in axes.items()},
-                                        "attention_mask": {v: k for k, v in axes.items()}, "logits": {0: "b"}},
+                                        "attention_mask": {v: k for k, v in axes.items()}, output: output_axes},
                           opset_version=17, dynamo=False)
         quantize_dynamic(os.path.join(out, "model.onnx"), os.path.join(out, "model.int8.onnx"),
                          weight_type=QuantType.QInt8, per_channel=True)

@@ -12,6 +12,12 @@
 #   scripts/bench.sh serve [args]      pipeline serve (Flight SQL, DoExchange, 1/4/16 clients) vs
 #                                      the predict stage (benches/bench_serve.py; --precision
 #                                      fp32|bf16, --repeats N, --rows N, --model DIR, --out FILE)
+#   scripts/bench.sh embed [args]      lakeml embed (fp32, bf16, int8) vs sentence-transformers (+ MKL
+#                                      override) and ONNX Runtime, table -> vectors; and exact top-10
+#                                      search over 1M vectors: pipeline serve (SQL) vs faiss and numpy
+#                                      (benches/bench_embed.py; --part throughput|search|all,
+#                                      --precision, --repeats N, --rows N, --vectors N, --threads N,
+#                                      --side, --out FILE)
 #   scripts/bench.sh spark [args]      Spark local[2] + one `pipeline serve` worker (lakeml_spark), and
 #                                      + the executor's own worker (no endpoints), vs
 #                                      the predict stage and vs a Spark pandas UDF over transformers,
@@ -40,11 +46,12 @@ print(exes[-1])')"
   train) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_train.py" --bin "$LAKEML_BIN" "$@" ;;
   predict) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_predict.py" --bin "$LAKEML_BIN" "$@" ;;
   serve) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_serve.py" --bin "$LAKEML_BIN" "$@" ;;
+  embed) exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_embed.py" --bin "$LAKEML_BIN" "$@" ;;
   storage)
     ensure_object_stores
     exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_storage.py" --bin "$LAKEML_BIN" "$@" ;;
   spark)
     ensure_java
     exec "$LAKEML_PYTHON" "$LAKEML_ROOT/benches/bench_spark.py" --bin "$LAKEML_BIN" "$@" ;;
-  *) echo "unknown benchmark '$what' (known: tokenize, train, predict, serve, spark, storage)" >&2; exit 2 ;;
+  *) echo "unknown benchmark '$what' (known: tokenize, train, predict, serve, embed, spark, storage)" >&2; exit 2 ;;
 esac
