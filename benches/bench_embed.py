@@ -81,11 +81,11 @@ import time
 
 from bench_predict import LAKEML_SIDES, export_onnx, lakeml_side, model_flops, ort_session, sorted_batches
 from bench_serve import Server, adbc_connect
-from measure import TUNED_MALLOC, SideFailed, gemm_peaks, mkl_override_lib, run_measured, tail, work_dir
+from measure import (RESULT, SideFailed, gemm_peaks, mkl_override_lib, peer_env, peer_result, run_measured, tail,
+                     work_dir)
 
 BATCH_SIZE = 64
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length (sentence_bert_config.json)
-RESULT = "BENCH_RESULT "  # prefix of a child's result line (transformers logs too)
 SIDES = {"lakeml": "lakeml", "st": "sentence-transformers", "st_mkl": "ST + MKL, malloc",
          "ort": "ONNX Runtime"}
 PRECISIONS = {"lakeml": ("fp32", "bf16", "int8"), "st": ("fp32", "bf16"), "st_mkl": ("fp32", "bf16"),
@@ -209,20 +209,10 @@ def peer_child(kind: str, source: str, model: str, precision: str, threads: int,
 
 
 def peer_side(kind: str, source: str, model: str, precision: str, threads: int, dest: str, env: dict) -> dict:
-    child = kind
-    if kind == "st_mkl":
-        child, env = "st", dict(env, LD_PRELOAD=env["LAKEML_BENCH_MKL_OVERRIDE"], **TUNED_MALLOC)
-    elif kind == "ort":
-        env = dict(env, **TUNED_MALLOC)
-    r = run_measured([sys.executable, __file__, "--child", child, source, model, precision, str(threads), dest], env)
-    lines = [x for x in r["stdout"].splitlines() if x.startswith(RESULT)]
-    if r["rc"] != 0 or not lines:
-        raise SideFailed(f"{SIDES[kind]} ({precision}) exited {r['rc']}:\n{tail(r['stderr'] + r['stdout'])}")
-    out = json.loads(lines[-1][len(RESULT):])
-    if kind == "st_mkl" and not out.get("mkl_override"):
-        raise SideFailed("ST + MKL override: LD_PRELOAD did not reach the child")
-    return {"side": kind, "precision": precision, **out, "rss_mib": r["rss_mib"], "wall_s": r["wall"],
-            "stderr_tail": tail(r["stderr"], 5)}
+    mkl = kind == "st_mkl"
+    r = run_measured([sys.executable, __file__, "--child", "st" if mkl else kind, source, model, precision,
+                      str(threads), dest], peer_env(env, mkl, tuned=kind == "ort"))
+    return {"side": kind, "precision": precision, **peer_result(r, f"{SIDES[kind]} ({precision})", mkl)}
 
 
 def quality(reference: str, other: str) -> dict:

@@ -65,11 +65,11 @@ import statistics
 import sys
 import time
 
-from measure import TUNED_MALLOC, SideFailed, gemm_peaks, mkl_override_lib, run_measured, stage_reports, tail, work_dir
+from measure import (RESULT, SideFailed, gemm_peaks, mkl_override_lib, peer_env, peer_result, run_measured, stage_reports,
+                     tail, work_dir)
 
 BATCH_SIZE = 64
 LABELS = "rotten,fresh"
-RESULT = "BENCH_RESULT "  # prefix of an HF child's result line (transformers logs too)
 SIDES = {"lakeml": "lakeml", "lakeml_generic": "lakeml, MKL generic", "pipeline": "HF pipeline",
          "trainer": "HF Trainer.predict", "torch": "PyTorch, careful", "torch_mkl": "PyTorch + MKL, malloc",
          "ort": "ONNX Runtime"}
@@ -278,20 +278,10 @@ def hf_child(kind: str, source: str, model: str, precision: str, threads: int, d
 
 
 def hf_side(kind: str, source: str, model: str, precision: str, threads: int, dest: str, env: dict) -> dict:
-    child = kind
-    if kind == "torch_mkl":
-        child, env = "torch", dict(env, LD_PRELOAD=env["LAKEML_BENCH_MKL_OVERRIDE"], **TUNED_MALLOC)
-    elif kind == "ort":
-        env = dict(env, **TUNED_MALLOC)
-    r = run_measured([sys.executable, __file__, "--child", child, source, model, precision, str(threads), dest], env)
-    lines = [x for x in r["stdout"].splitlines() if x.startswith(RESULT)]
-    if r["rc"] != 0 or not lines:
-        raise SideFailed(f"{SIDES[kind]} ({precision}) exited {r['rc']}:\n{tail(r['stderr'] + r['stdout'])}")
-    out = json.loads(lines[-1][len(RESULT):])
-    if kind == "torch_mkl" and not out.get("mkl_override"):
-        raise SideFailed("PyTorch + MKL override: LD_PRELOAD did not reach the child")
-    return {"side": kind, "precision": precision, **out, "rss_mib": r["rss_mib"], "wall_s": r["wall"],
-            "stderr_tail": tail(r["stderr"], 5)}
+    mkl = kind == "torch_mkl"
+    r = run_measured([sys.executable, __file__, "--child", "torch" if mkl else kind, source, model, precision,
+                      str(threads), dest], peer_env(env, mkl, tuned=kind == "ort"))
+    return {"side": kind, "precision": precision, **peer_result(r, f"{SIDES[kind]} ({precision})", mkl)}
 
 
 # --- agreement -------------------------------------------------------------------------------

@@ -75,6 +75,31 @@ class SideFailed(Exception):
     """One side of a benchmark could not run; the message says why."""
 
 
+# The prefix of a child side's result line (the libraries it runs log on stdout too).
+RESULT = "BENCH_RESULT "
+
+
+def peer_env(env: dict, mkl: bool, tuned: bool) -> dict:
+    """A peer child's environment: with the MKL override preloaded (`mkl`, which implies the
+    malloc tuning) or the malloc tuning alone (`tuned`)."""
+    if mkl:
+        return dict(env, LD_PRELOAD=env["LAKEML_BENCH_MKL_OVERRIDE"], **TUNED_MALLOC)
+    return dict(env, **TUNED_MALLOC) if tuned else env
+
+
+def peer_result(r: dict, label: str, mkl: bool) -> dict:
+    """A peer child's measured run: its last RESULT line's fields, its wall time, peak RSS and
+    stderr's end; SideFailed naming `label` if it failed, printed no result, or (`mkl`) did
+    not get the MKL override."""
+    lines = [x for x in r["stdout"].splitlines() if x.startswith(RESULT)]
+    if r["rc"] != 0 or not lines:
+        raise SideFailed(f"{label} exited {r['rc']}:\n{tail(r['stderr'] + r['stdout'])}")
+    out = json.loads(lines[-1][len(RESULT):])
+    if mkl and not out.get("mkl_override"):
+        raise SideFailed(f"{label}: LD_PRELOAD of the MKL override did not reach the child")
+    return {**out, "rss_mib": r["rss_mib"], "wall_s": r["wall"], "stderr_tail": tail(r["stderr"], 5)}
+
+
 def tail(text: str, lines: int = 20) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 

@@ -304,14 +304,17 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
         .as_str()
         .expect("text")
         .replace('\'', "''");
-    let found: Vec<u64> = query(&format!(
-        "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, embed('{text}')), id \
-         LIMIT 5"
-    ))
-    .iter()
-    .filter_map(|r| r[0].as_u64())
-    .collect();
-    assert_eq!(found, nearest, "served search");
+    // The served search's `k` nearest ids to the text of id 7.
+    let search = |k: usize| -> Vec<u64> {
+        query(&format!(
+            "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, embed('{text}')), \
+             id LIMIT {k}"
+        ))
+        .iter()
+        .filter_map(|r| r[0].as_u64())
+        .collect()
+    };
+    assert_eq!(search(5), nearest, "served search");
     assert!(
         served
             .stderr()
@@ -330,12 +333,12 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
             s.path().join("st_mean_norm").display()
         ),
     );
-    let search = format!(
+    let top5 = format!(
         "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, embed('{text}')), id \
          LIMIT 5"
     );
     assert_eq!(
-        sql_ids("search.yaml", &search),
+        sql_ids("search.yaml", &top5),
         nearest,
         "pipeline sql search"
     );
@@ -383,14 +386,7 @@ fn embeddings_match_sentence_transformers_for_every_pooling_and_search_finds_num
          truth FROM mean_norm WHERE id = 7\n      to: mean_norm\n      mode: append\n",
     );
     s.run_ok(&["append.yaml"]);
-    let found: Vec<u64> = query(&format!(
-        "SELECT id FROM mean_norm ORDER BY cosine_distance(embedding, embed('{text}')), id \
-         LIMIT 2"
-    ))
-    .iter()
-    .filter_map(|r| r[0].as_u64())
-    .collect();
-    assert_eq!(found, [7, 999], "search after an append");
+    assert_eq!(search(2), [7, 999], "search after an append");
     assert!(
         served
             .stderr()
