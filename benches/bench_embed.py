@@ -81,8 +81,8 @@ import time
 
 from bench_predict import LAKEML_SIDES, export_onnx, lakeml_side, model_flops, ort_session, sorted_batches
 from bench_serve import Server, adbc_connect
-from measure import (RESULT, SideFailed, gemm_peaks, mkl_override_lib, peer_env, peer_result, run_measured, tail,
-                     work_dir)
+from measure import (RESULT, SideFailed, gemm_peaks, medians, mkl_override_lib, peer_env, peer_result,
+                     run_measured, tail, work_dir)
 
 BATCH_SIZE = 64
 MAX_LENGTH = 256  # all-MiniLM-L6-v2's max_seq_length (sentence_bert_config.json)
@@ -304,21 +304,7 @@ def emb_dest(work: pathlib.Path, side: str, precision: str) -> str:
 
 def summarize(runs: list[dict], sides: list[str], precisions: list[str], qual: dict, rows: int,
               args, flops: float, peaks: dict) -> dict:
-    med = {}
-    for p in precisions:
-        for s in sides:
-            xs = [r for r in runs if r["side"] == s and r["precision"] == p]
-            if not xs:
-                continue
-            m = {k: statistics.median(x[k] for x in xs) for k in ("wall_s", "rss_mib", "stage_s")}
-            enc = [x["predict_s"] for x in xs if x.get("predict_s") is not None]
-            m["encode_s"] = statistics.median(enc) if enc else None
-            m["rows_per_s"] = rows / m["wall_s"]
-            used = xs[0].get("precision_used", p)  # lakeml int8 may run at another precision
-            m["precision_used"] = used
-            m["mfu"] = flops / m["wall_s"] / 1e9 / peaks[used] if peaks.get(used) else None
-            m["runs"] = len(xs)
-            med[f"{s}/{p}"] = m
+    med = medians(runs, sides, precisions, rows, flops, peaks)  # `predict_s`: the encode seconds
     compare = {}
     for p in precisions:
         print()
@@ -331,7 +317,7 @@ def summarize(runs: list[dict], sides: list[str], precisions: list[str], qual: d
             m = med.get(f"{s}/{p}")
             if not m:
                 continue
-            enc = f"{m['encode_s']:10.2f}" if m["encode_s"] is not None else f"{'-':>10}"
+            enc = f"{m['predict_s']:10.2f}" if m["predict_s"] is not None else f"{'-':>10}"
             q = qual.get(f"{s}/{p}")
             if (s, p) == ("lakeml", "fp32"):
                 cmin, cmean = "(ref)", "(ref)"

@@ -61,12 +61,11 @@ import json
 import os
 import pathlib
 import shutil
-import statistics
 import sys
 import time
 
-from measure import (RESULT, SideFailed, gemm_peaks, mkl_override_lib, peer_env, peer_result, run_measured, stage_reports,
-                     tail, work_dir)
+from measure import (RESULT, SideFailed, gemm_peaks, medians, mkl_override_lib, peer_env, peer_result, run_measured,
+                     stage_reports, tail, work_dir)
 
 BATCH_SIZE = 64
 LABELS = "rotten,fresh"
@@ -317,20 +316,7 @@ def model_flops(model: str, lengths: list[int]) -> float:
 
 def summarize(runs: list[dict], sides: list[str], precisions: list[str], agree: dict, rows: int,
               args, flops: float, peaks: dict) -> dict:
-    med = {}
-    for p in precisions:
-        for s in sides:
-            xs = [r for r in runs if r["side"] == s and r["precision"] == p]
-            if not xs:
-                continue
-            m = {k: statistics.median(x[k] for x in xs) for k in ("wall_s", "rss_mib", "stage_s")}
-            predict = [x["predict_s"] for x in xs if x.get("predict_s") is not None]
-            m["predict_s"] = statistics.median(predict) if predict else None
-            m["rows_per_s"] = rows / m["wall_s"]
-            m["model_gflops"] = flops / m["wall_s"] / 1e9
-            m["mfu"] = m["model_gflops"] / peaks[p] if peaks.get(p) else None
-            m["runs"] = len(xs)
-            med[f"{s}/{p}"] = m
+    med = medians(runs, sides, precisions, rows, flops, peaks)
     compare = {}
     for p in precisions:
         print()

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,31 @@ def run_ok(cmd: list[str], env: dict | None = None) -> dict:
 
 class SideFailed(Exception):
     """One side of a benchmark could not run; the message says why."""
+
+
+def medians(runs: list[dict], sides: list[str], precisions: list[str], rows: int, flops: float,
+            peaks: dict) -> dict:
+    """Per "side/precision": the medians of its runs' wall, in-process and forward-pass
+    seconds and peak RSS, rows/s over the wall time, and MFU (the model's FLOPs per second
+    over the GEMM peak of the precision that actually ran: a run's `precision_used`, else
+    its own)."""
+    med = {}
+    for p in precisions:
+        for s in sides:
+            xs = [r for r in runs if r["side"] == s and r["precision"] == p]
+            if not xs:
+                continue
+            m = {k: statistics.median(x[k] for x in xs) for k in ("wall_s", "rss_mib", "stage_s")}
+            passes = [x["predict_s"] for x in xs if x.get("predict_s") is not None]
+            m["predict_s"] = statistics.median(passes) if passes else None
+            m["rows_per_s"] = rows / m["wall_s"]
+            m["precision_used"] = xs[0].get("precision_used", p)
+            m["model_gflops"] = flops / m["wall_s"] / 1e9
+            peak = peaks.get(m["precision_used"])
+            m["mfu"] = m["model_gflops"] / peak if peak else None
+            m["runs"] = len(xs)
+            med[f"{s}/{p}"] = m
+    return med
 
 
 # The prefix of a child side's result line (the libraries it runs log on stdout too).
