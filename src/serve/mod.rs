@@ -105,10 +105,23 @@ pub(crate) async fn query_functions(
     }
     let config =
         ServeConfig::from_pipeline(pipeline, None).map_err(|m| Error::config(&pipeline.file, m))?;
+    Ok(start_models(&config, calls).await?.0)
+}
+
+/// Loads the models that have a function prefix `wanted` accepts, and returns their SQL
+/// functions and the scorers by prefix (a model under two prefixes loads once).
+async fn start_models(
+    config: &ServeConfig,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<(
+    Vec<datafusion::logical_expr::ScalarUDF>,
+    BTreeMap<String, Arc<scorer::Scorer>>,
+)> {
     let mut started: BTreeMap<usize, Arc<scorer::Scorer>> = BTreeMap::new();
     let mut functions = Vec::new();
+    let mut scorers = BTreeMap::new();
     for (prefix, i) in config.prefixes() {
-        if !calls(&prefix) {
+        if !wanted(&prefix) {
             continue;
         }
         let scorer = match started.get(&i) {
@@ -125,8 +138,9 @@ pub(crate) async fn query_functions(
             }
         };
         functions.extend(udf::functions(&prefix, &scorer));
+        scorers.insert(prefix, scorer);
     }
-    Ok(functions)
+    Ok((functions, scorers))
 }
 
 /// Plans `sql` in `ctx` with the served models' calls lifted out of the expressions they
@@ -166,19 +180,8 @@ impl Pipeline {
         check_users(self, &config)?;
         let declared: BTreeSet<&str> = self.tables.keys().map(String::as_str).collect();
 
-        let mut scorers = BTreeMap::new();
-        let mut by_index = Vec::new();
-        for m in &config.models {
-            let scorer = scorer::Scorer::start(m)
-                .await
-                .map_err(|e| Error::Model(format!("serve.models.{}: {e}", m.name)))?;
-            by_index.push(Arc::new(scorer));
-        }
-        let mut functions = Vec::new();
-        for (prefix, i) in config.prefixes() {
-            functions.extend(udf::functions(&prefix, &by_index[i]));
-            scorers.insert(prefix, by_index[i].clone());
-        }
+        // Every model has a prefix of its own, so every model loads.
+        let (functions, scorers) = start_models(&config, |_| true).await?;
         let lake = lake::Lake::open(&self.tables, functions, &config.memory).await?;
         let auth = config.auth.is_some();
         let service = flight::Service::new(
