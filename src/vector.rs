@@ -167,18 +167,12 @@ fn sums_avx2(a: &[f32], b: &[f32], l2: bool) -> Sums {
     }
 }
 
-/// Whether [`sums_avx2`] may run here (checked once).
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-}
-
 /// Σab, Σa², Σb² (or Σ(a-b)²) of one pair, on the fastest path this CPU has.
 fn sums(a: &[f32], b: &[f32], l2: bool) -> Sums {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the CPU has AVX2 and FMA (checked by has_avx2).
+    // std caches the detection: each check is one load.
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked just above).
         return unsafe { sums_avx2(a, b, l2) };
     }
     sums_portable(a, b, l2)
