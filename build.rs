@@ -1,6 +1,8 @@
 //! Gives the `pipeline` binary an rpath to libtorch, so it runs without LD_LIBRARY_PATH,
 //! exports its answer to MKL's CPU check (src/gemm.rs), and records which libtorch it was
-//! built against (`pipeline info`, and the version check at start: src/runtime.rs).
+//! built against (`pipeline info`, and the version check at start: src/runtime.rs). It also
+//! compiles the c10d shim (csrc/c10d: libtorch's TCPStore and ProcessGroupGloo behind a C
+//! ABI, for data-parallel training: src/train/dist.rs) against that libtorch's headers.
 //!
 //! torch-sys (a direct dependency for this reason; it declares `links = "tch"`) exports the
 //! libtorch library directory it linked against as DEP_TCH_LIBTORCH_LIB. `$ORIGIN`-relative
@@ -38,6 +40,30 @@ fn main() {
             Some(line.split('\'').nth(1)?.to_string())
         })
         .unwrap_or_else(|| "unknown".into());
+    c10d_shim(&dir);
     println!("cargo:rustc-env=LAKEML_LIBTORCH_LIB={dir}");
     println!("cargo:rustc-env=LAKEML_LIBTORCH_VERSION={version}");
+}
+
+/// Compiles csrc/c10d/shim.cpp as torch-sys compiles its own wrapper (C++17, the CXX11 ABI
+/// the PyPI wheels use), with gloo's types declared by csrc/c10d/gloo-stub (the wheel ships
+/// no gloo headers). Its c10d symbols come from libtorch_cpu, named again after the static
+/// shim so that the linker's `--as-needed` keeps it.
+fn c10d_shim(libtorch_lib: &str) {
+    println!("cargo:rerun-if-changed=csrc/c10d");
+    let include = std::path::Path::new(libtorch_lib).join("../include");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .define("USE_C10D_GLOO", None)
+        .define("GLOG_USE_GLOG_EXPORT", None)
+        .include("csrc/c10d/gloo-stub")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .warnings(false)
+        .file("csrc/c10d/shim.cpp")
+        .compile("lakeml_c10d");
+    println!("cargo:rustc-link-lib=torch_cpu");
+    println!("cargo:rustc-link-lib=c10");
 }

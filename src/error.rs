@@ -9,6 +9,11 @@ pub enum Error {
     #[error("{file}: {message}")]
     Config { file: PathBuf, message: String },
 
+    /// The launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) is wrong: fix how
+    /// the ranks are started (CLI exit code 2).
+    #[error("{0}")]
+    Launch(String),
+
     /// The data is wrong: a row, a column or a table does not meet what the stage needs.
     #[error("{0}")]
     Data(String),
@@ -60,7 +65,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// True when the fault is in the pipeline file or the command line (exit code 2).
     pub fn is_usage(&self) -> bool {
-        matches!(self, Error::Config { .. })
+        matches!(self, Error::Config { .. } | Error::Launch(_))
     }
 
     pub(crate) fn config(file: impl Into<PathBuf>, message: impl Into<String>) -> Self {

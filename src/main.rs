@@ -50,6 +50,11 @@ enum Command {
         /// are still validated.
         #[arg(long = "stage", value_name = "NAME")]
         stages: Vec<String>,
+        /// Train data-parallel on N local processes (ranks), as `torchrun --standalone
+        /// --nproc_per_node N` would; each takes its share of the cores. Under torchrun or
+        /// another launcher, leave it out: its environment (RANK, WORLD_SIZE, ...) is used.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+        nproc: Option<u16>,
     },
     /// Check a pipeline file (keys, files, tables, columns, types) without running it.
     Validate {
@@ -175,8 +180,16 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             json,
             quiet,
             stages,
+            nproc,
         } => {
             let pipeline = Pipeline::load(&file)?;
+            if let Some(n) = nproc.filter(|&n| n > 1)
+                && std::env::var_os("RANK").is_none()
+            {
+                // The file was checked once here; the ranks run it.
+                drop(runtime);
+                return lakeml::run_local_ranks(usize::from(n));
+            }
             let options = RunOptions::new()
                 .with_force(force)
                 .with_progress(!quiet)

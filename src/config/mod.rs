@@ -21,9 +21,9 @@ pub(crate) use jobs::{
 pub(crate) use serve::{AuthSpec, ServeSpec, parse_duration};
 use stages::default_device;
 pub(crate) use stages::{
-    Every, OnBad, OnEmpty, OnInvalidUtf8, OnOverlong, Precision, PredictMode, PredictSpec,
-    Quantize, SaveWhich, Schedule, Source, TokenizeSpec, TrainSpec, Truncation, WriteMode,
-    WriteSpec,
+    Backend, DistributedSpec, Every, OnBad, OnEmpty, OnInvalidUtf8, OnOverlong, Precision,
+    PredictMode, PredictSpec, Quantize, SaveWhich, Schedule, Source, TokenizeSpec, TrainSpec,
+    Truncation, WriteMode, WriteSpec,
 };
 pub(crate) use suggest::closest;
 use suggest::describe_yaml_error;

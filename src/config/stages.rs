@@ -145,11 +145,12 @@ pub(crate) struct TrainSpec {
     /// Batches prepared ahead on the loader thread.
     #[serde(default = "default_prefetch")]
     pub prefetch: usize,
-    /// Data-parallel sharding: this process reads every `world`-th batch from `rank`.
+    /// Set by the launcher now (`pipeline run --nproc`, torchrun); refused with a hint.
+    pub rank: Option<serde_yaml_ng::Value>,
+    pub world: Option<serde_yaml_ng::Value>,
+    /// Data parallelism across processes: the collectives' backend and timeout.
     #[serde(default)]
-    pub rank: usize,
-    #[serde(default = "default_one")]
-    pub world: usize,
+    pub distributed: DistributedSpec,
     /// Evaluate on the validation split: `epoch`, a number of steps, or `none`.
     #[serde(default = "default_every")]
     pub eval_every: Every,
@@ -275,6 +276,41 @@ impl Precision {
             Precision::Int8 => "int8",
         }
     }
+}
+
+/// `train.distributed`: how the ranks of a data-parallel run talk (the launcher says how
+/// many there are).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DistributedSpec {
+    #[serde(default)]
+    pub backend: Backend,
+    /// How long a rendezvous or a collective may wait for the other ranks (`30s`, `10m`).
+    #[serde(default = "default_dist_timeout")]
+    pub timeout: String,
+}
+
+impl Default for DistributedSpec {
+    fn default() -> Self {
+        Self {
+            backend: Backend::default(),
+            timeout: default_dist_timeout(),
+        }
+    }
+}
+
+fn default_dist_timeout() -> String {
+    "10m".into()
+}
+
+/// The collectives' library: gloo on CPU, NCCL on CUDA; `auto` picks by device.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Backend {
+    #[default]
+    Auto,
+    Gloo,
+    Nccl,
 }
 
 #[derive(Debug, Clone, Copy, Default, Deserialize, serde::Serialize, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use arrow::datatypes::{DataType, Schema};
 use super::checks::{column_list, is_string};
 use super::{Stage, query};
 use crate::catalog::TableDef;
-use crate::config::{Every as EverySpec, Precision, TrainSpec};
+use crate::config::{Backend, DistributedSpec, Every as EverySpec, Precision, TrainSpec};
 use crate::delta;
 use crate::model::ModelConfig;
 use crate::track::MlflowSettings;
@@ -39,6 +39,35 @@ pub(crate) struct TrainStage {
     pub device: tch::Device,
     pub mlflow: Option<MlflowSettings>,
     pub settings: TrainSettings,
+    pub distributed: Distributed,
+}
+
+/// How the ranks of a data-parallel run talk (`train.distributed`); unused by a run alone.
+#[derive(Debug, Clone)]
+pub(crate) struct Distributed {
+    /// How long a rendezvous or a collective waits for the other ranks.
+    pub timeout: std::time::Duration,
+}
+
+/// Checks `train.distributed`: gloo is what this build has; NCCL is refused with what to do
+/// instead.
+fn distributed(f: &str, d: &DistributedSpec, device: tch::Device) -> Result<Distributed, String> {
+    let timeout = crate::config::parse_duration(&d.timeout)
+        .map_err(|e| format!("{f}.distributed.timeout: {e}"))?;
+    if timeout.is_zero() {
+        return Err(format!("{f}.distributed.timeout: must be more than 0s"));
+    }
+    match (d.backend, device.is_cuda()) {
+        (Backend::Nccl, false) => Err(format!(
+            "{f}.distributed.backend: nccl runs on CUDA GPUs, and this stage trains on the \
+             CPU (`device`); use `gloo` or `auto`"
+        )),
+        (Backend::Nccl, true) => Err(format!(
+            "{f}.distributed.backend: this lakeml is built without NCCL yet; use `gloo` or \
+             `auto` (gloo)"
+        )),
+        (Backend::Auto | Backend::Gloo, _) => Ok(Distributed { timeout }),
+    }
 }
 
 fn every(field: &str, key: &str, e: &EverySpec) -> Result<Every, String> {
@@ -143,15 +172,18 @@ pub(super) fn train_stage(
     };
     positive("batch_size", t.batch_size)?;
     positive("grad_accum", t.grad_accum)?;
-    positive("world", t.world)?;
     positive("prefetch", t.prefetch)?;
     positive("keep_checkpoints", t.keep_checkpoints)?;
-    if t.rank >= t.world {
+    if let Some(key) = [("rank", &t.rank), ("world", &t.world)]
+        .into_iter()
+        .find_map(|(key, v)| v.is_some().then_some(key))
+    {
         return Err(format!(
-            "{f}.rank: {} must be below `world` ({})",
-            t.rank, t.world
+            "{f}.{key}: the launcher sets the ranks now; remove `rank` and `world`, and start \
+             N data-parallel processes with `pipeline run FILE --nproc N` (or under torchrun)"
         ));
     }
+    let distributed = distributed(f, &t.distributed, device)?;
     if !(t.lr > 0.0 && t.lr.is_finite()) {
         return Err(format!("{f}.lr: {} must be a positive number", t.lr));
     }
@@ -213,8 +245,13 @@ pub(super) fn train_stage(
         None if device.is_cuda() => Precision::Bf16,
         None => Precision::Fp32,
     };
+    // Ranks on one machine (`pipeline run --nproc`, torchrun) share its cores.
     let threads = t.threads.unwrap_or_else(|| {
-        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        let local_ranks = crate::train::Launch::from_env()
+            .ok()
+            .flatten()
+            .map_or(1, |l| l.local_world);
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get) / local_ranks
     });
     // The id column of the tokenize stage in this file that writes the table read here.
     let id = t.id.or_else(|| {
@@ -237,6 +274,7 @@ pub(super) fn train_stage(
         split: t.split,
         labels: t.labels,
         device,
+        distributed,
         mlflow: t.tracking.mlflow.map(|m| MlflowSettings {
             uri: m.uri,
             experiment: m.experiment,
@@ -261,8 +299,6 @@ pub(super) fn train_stage(
             max_grad_norm: t.max_grad_norm,
             group_by_length: t.group_by_length,
             prefetch: t.prefetch,
-            rank: t.rank,
-            world: t.world,
             eval_every,
             checkpoint_every,
             keep_checkpoints: t.keep_checkpoints,

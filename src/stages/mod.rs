@@ -63,6 +63,9 @@ pub(crate) struct Run<'a> {
     /// What each registered table reads now, for fingerprints.
     pub identities: HashMap<String, String>,
     pub options: &'a RunOptions,
+    /// The process group of a data-parallel run (torchrun's environment), joined when the
+    /// run starts; `None` runs alone.
+    pub group: Option<Arc<crate::train::Group>>,
 }
 
 impl Run<'_> {
@@ -173,6 +176,50 @@ async fn commit(
 }
 
 impl Pipeline {
+    /// With torchrun's environment set, joins the data-parallel process group before any
+    /// stage runs, so that a bad launch (a rank missing, a port in use) fails before
+    /// anything is written, and refuses ranks that run another pipeline file or other
+    /// options. `None` for a run alone, or a file without a train stage.
+    async fn join_group(&self, options: &RunOptions) -> Result<Option<Arc<crate::train::Group>>> {
+        let Some(launch) = crate::train::Launch::from_env()? else {
+            return Ok(None);
+        };
+        let Some(timeout) = self
+            .stages
+            .iter()
+            .filter(|s| {
+                options
+                    .only
+                    .as_ref()
+                    .is_none_or(|o| o.iter().any(|n| n == s.name()))
+            })
+            .find_map(|s| match s {
+                Stage::Train(t) => Some(t.distributed.timeout),
+                _ => None,
+            })
+        else {
+            return Err(Error::Launch(format!(
+                "{}: WORLD_SIZE={} asks for data-parallel training, but no train stage runs; \
+                 run the other stages in one process",
+                self.file.display(),
+                launch.world
+            )));
+        };
+        let group =
+            tokio::task::spawn_blocking(move || crate::train::Group::join(&launch, timeout))
+                .await
+                .map_err(|_| Error::Internal("the rendezvous thread vanished".into()))??;
+        let text = std::fs::read(&self.file)
+            .map_err(|e| Error::io(format!("reading {}", self.file.display()), e))?;
+        let plan = crate::fingerprint::digest(&serde_json::json!({
+            "file": String::from_utf8_lossy(&text),
+            "only": options.only,
+            "force": options.force,
+        }));
+        group.agree(&plan, "pipeline file and `pipeline run` options")?;
+        Ok(Some(Arc::new(group)))
+    }
+
     /// Validates, then runs every stage in order. Each stage that writes a table makes one
     /// commit; a stage whose inputs and settings are unchanged since its last commit is
     /// skipped unless `force` is set.
@@ -202,11 +249,13 @@ impl Pipeline {
         let ctx = catalog::session();
         let identities = self.register_tables(&ctx).await?;
         self.check_stages(&ctx).await?;
+        let group = self.join_group(options).await?;
         let mut run = Run {
             pipeline: self,
             ctx,
             identities,
             options,
+            group,
         };
         // Validation left empty planned tables under the stages' output names: put the real
         // ones back (or nothing, for tables a stage will create).
@@ -228,6 +277,24 @@ impl Pipeline {
                 .is_none_or(|only| only.iter().any(|n| n == s.name()))
         });
         for stage in selected {
+            if let Some(g) = run.group.clone() {
+                // Rank 0 runs every stage; the others join it for training alone, once it
+                // has written what the train stage reads.
+                let key = format!("stage/{}", stage.name());
+                match (stage, g.rank) {
+                    (Stage::Train(_), 0) => g.signal(&key)?,
+                    (Stage::Train(_), _) => {
+                        g.wait(&key, "rank 0's stages before this one").await?;
+                        for name in self.stages.iter().filter_map(Stage::to) {
+                            if self.tables[name].delta_exists().await? {
+                                run.refresh(name).await?;
+                            }
+                        }
+                    }
+                    (_, 0) => {}
+                    (_, _) => continue,
+                }
+            }
             let started = Instant::now();
             let mut report = match stage {
                 Stage::Write(w) => write::run(&run, w).await?,

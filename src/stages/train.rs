@@ -89,7 +89,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         Some(names) => Some(names.clone()),
         None => recorded_labels(run, &inputs.keys().cloned().collect::<Vec<_>>()).await?,
     };
-    let fingerprint = fingerprint::digest(&json!({
+    let mut identity = json!({
         "kind": "train",
         "sql": stage.query.sql,
         "inputs": inputs,
@@ -99,7 +99,34 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         "model": model_identity(&stage.model),
         "device": stage.device_name(),
         "settings": stage.settings,
-    }));
+    });
+    // Checkpoints are named by this, which leaves out the number of ranks: a run resumes
+    // with the same or another N. The finished run's own fingerprint counts them.
+    let fingerprint = fingerprint::digest(&identity);
+    let group = run.group.clone();
+    let world = group.as_ref().map_or(1, |g| g.world);
+    let writes = group.as_ref().is_none_or(|g| g.rank == 0);
+    let run_fingerprint = match world {
+        1 => fingerprint.clone(),
+        n => fingerprint::digest(&json!({ "train": fingerprint, "world": n })),
+    };
+    if let Some(g) = &group {
+        // Threads may differ between machines; everything else must match rank 0's. The
+        // model is compared by its config.json, not by file modification times.
+        if let Some(settings) = identity.get_mut("settings").and_then(|v| v.as_object_mut()) {
+            settings.remove("threads");
+        }
+        identity["model"] =
+            json!(std::fs::read_to_string(stage.model.join("config.json")).unwrap_or_default());
+        let plan = fingerprint::digest(&identity);
+        g.agree(
+            &plan,
+            &format!(
+                "train stage `{}` (its settings, model or input table versions)",
+                stage.name
+            ),
+        )?;
+    }
     let output = RunDir {
         path: stage.output.clone(),
         mirror: stage
@@ -116,10 +143,22 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         ..Default::default()
     };
     let summary_path = stage.output.join("run.json");
-    if !run.options.force
-        && let Some(done) = finished_run(&output)?
-        && done.fingerprint.as_deref() == Some(fingerprint.as_str())
-    {
+    let mut done = None;
+    if writes && !run.options.force {
+        done = finished_run(&output)?
+            .filter(|d| d.fingerprint.as_deref() == Some(run_fingerprint.as_str()));
+    }
+    if let Some(g) = &group {
+        // Rank 0 alone reads the run directory; the others follow its decision.
+        let skip = g.broadcast_bytes(&[u8::from(done.is_some())], "whether the run is done")?;
+        if !writes && skip.first() == Some(&1) {
+            return Ok(StageReport {
+                cached: true,
+                ..report
+            });
+        }
+    }
+    if let Some(done) = done {
         // A later stage of this run may read the model: have it here too.
         if let Some(mirror) = &output.mirror {
             mirror
@@ -131,7 +170,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
             ..done
         });
     }
-    if run.options.force {
+    if run.options.force && writes {
         // A forced run starts over instead of resuming.
         train::clear_checkpoints(&output)?;
     }
@@ -156,8 +195,9 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         mlflow: stage.mlflow.clone(),
         settings: stage.settings.clone(),
         data: dataset,
-        fingerprint: fingerprint.clone(),
+        fingerprint,
         progress: run.options.progress,
+        group,
     };
 
     let outcome = crate::model::thread::spawn("train", OOM_HINT, move || train::train(job))?
@@ -184,7 +224,10 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         Some(_) => report.table,
         None => outcome.model_dir.display().to_string(),
     };
-    report.fingerprint = Some(fingerprint);
+    report.fingerprint = Some(run_fingerprint);
+    if !writes {
+        return Ok(report);
+    }
     let text = serde_json::to_string_pretty(&report)
         .map_err(|e| Error::Internal(format!("run.json: {e}")))?;
     std::fs::write(&summary_path, text)

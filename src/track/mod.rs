@@ -36,8 +36,9 @@ pub(crate) struct MlflowSettings {
 /// Records one training run. Call [`Tracker::finish`] at the end; a tracker dropped without
 /// it marks its MLflow run FAILED, since the trainer only skips `finish` when it bailed out.
 pub(crate) struct Tracker {
-    metrics: MetricsFile,
-    events: EventWriter,
+    /// `None` on a data-parallel rank other than 0, which records nothing.
+    metrics: Option<MetricsFile>,
+    events: Option<EventWriter>,
     mlflow: Option<MlflowThread>,
     finished: bool,
 }
@@ -62,11 +63,22 @@ impl Tracker {
             None => None,
         };
         Ok(Tracker {
-            metrics,
-            events,
+            metrics: Some(metrics),
+            events: Some(events),
             mlflow,
             finished: false,
         })
+    }
+
+    /// A tracker that records nothing: data-parallel ranks other than 0 train the same
+    /// model, and rank 0 alone writes the run's logs.
+    pub(crate) fn silent() -> Tracker {
+        Tracker {
+            metrics: None,
+            events: None,
+            mlflow: None,
+            finished: false,
+        }
     }
 
     /// The MLflow run's id, to store in checkpoints so a resumed training can reopen it.
@@ -78,7 +90,9 @@ impl Tracker {
     /// its 6000-character limit; metrics.jsonl keeps them whole. MLflow refuses a new value
     /// for a key the run already has, so a resumed run must log the same values.
     pub(crate) fn params(&mut self, params: &[(String, String)]) -> Result<()> {
-        self.metrics.params(params)?;
+        if let Some(file) = &mut self.metrics {
+            file.params(params)?;
+        }
         match &mut self.mlflow {
             Some(m) => m.params(params.to_vec()),
             None => Ok(()),
@@ -91,8 +105,12 @@ impl Tracker {
     /// have been written.
     pub(crate) fn scalars(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
         let time = unix_secs();
-        self.metrics.scalars(step, time, values)?;
-        self.events.scalars(time, step, values)?;
+        if let Some(file) = &mut self.metrics {
+            file.scalars(step, time, values)?;
+        }
+        if let Some(events) = &mut self.events {
+            events.scalars(time, step, values)?;
+        }
         if let Some(m) = &mut self.mlflow {
             let timestamp_ms = (time * 1000.0) as i64;
             let batch = values

@@ -40,8 +40,11 @@ pub(crate) struct LoopState {
     pub fingerprint: String,
     pub global_step: u64,
     pub epoch: u64,
-    /// Micro-batches of `epoch` already consumed.
+    /// Micro-batches of `epoch` already consumed (global batches, with data parallelism).
     pub batches_done: usize,
+    /// Ranks that trained it (data parallelism): a run resumes with the same or another.
+    #[serde(default = "one")]
+    pub world: usize,
     pub samples: u64,
     pub tokens: u64,
     pub slots: u64,
@@ -52,6 +55,14 @@ pub(crate) struct LoopState {
     pub stop_best: Option<f64>,
     pub stale_evals: u32,
     pub mlflow_run_id: Option<String>,
+    /// Seconds spent averaging gradients across ranks since this process started (not
+    /// saved: a benchmark's figure, not the run's).
+    #[serde(skip)]
+    pub all_reduce_seconds: f64,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {

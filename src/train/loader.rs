@@ -1,5 +1,5 @@
 //! The data loader (what Petastorm does for PyTorch): per-epoch shuffling, length-grouped
-//! batches with dynamic padding, sharding by (rank, world), and a background thread that
+//! batches with dynamic padding, sharding of each global batch across ranks, and a background thread that
 //! builds the next batches while the model computes.
 
 use std::sync::Arc;
@@ -19,9 +19,13 @@ pub(crate) struct Batch {
     /// `[rows]` int64 class ids.
     pub labels: Tensor,
     pub rows: usize,
-    /// Real tokens, and tensor slots (`rows * longest`): their ratio is the padding cost.
-    pub tokens: usize,
-    pub slots: usize,
+    /// Rows and real tokens of the global batch this is a part of (data parallelism); the
+    /// batch's own otherwise.
+    pub global_rows: usize,
+    pub global_tokens: usize,
+    /// Tensor slots (`rows * longest`) of the global batch, every rank's padded to its own
+    /// longest row: against the real tokens, the padding cost.
+    pub global_slots: usize,
 }
 
 /// A small, fast, seedable generator (SplitMix64); shuffles depend only on (seed, epoch),
@@ -64,39 +68,71 @@ pub(crate) struct Order {
 /// into batches, so batches hold rows of similar length while every epoch still mixes.
 const GROUP_BATCHES: usize = 64;
 
-/// Row indices of each batch of `epoch` for this rank: shuffled by (seed, epoch), grouped by
-/// length if asked, batch order shuffled again, then every `world`-th batch from `rank`.
-/// Every rank gets the same number of batches (the remainder is dropped).
-pub(crate) fn epoch_batches(split: &Split, order: &Order, epoch: u64) -> Vec<Vec<usize>> {
+/// This rank's part of one global batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Shard {
+    pub rows: Vec<usize>,
+    /// Rows, real tokens and padded slots of the whole global batch, every rank's part
+    /// together.
+    pub global_rows: usize,
+    pub global_tokens: usize,
+    pub global_slots: usize,
+}
+
+/// This rank's part of each global batch of `epoch`. Global batches (`batch_size * world`
+/// rows) depend only on (seed, epoch) and the global batch size, never on the rank: rows
+/// shuffled, grouped by length if asked, batch order shuffled again. Rank `r` takes the
+/// `r`-th contiguous slice of each, so N ranks × batch B see exactly the batches one rank ×
+/// batch N·B sees. Every row is used once per epoch: the last, short global batch is split
+/// as evenly as it goes (sizes differ by at most one row, and a rank may get none when it
+/// has fewer rows than there are ranks); each rank weighs its loss by its share.
+pub(crate) fn epoch_batches(split: &Split, order: &Order, epoch: u64) -> Vec<Shard> {
+    let global = order.batch_size * order.world;
     let mut rng = Rng::new(order.seed, epoch);
     let mut rows: Vec<usize> = (0..split.len()).collect();
     rng.shuffle(&mut rows);
     let mut batches: Vec<Vec<usize>> = if order.group_by_length {
         let mut out = Vec::new();
-        for group in rows.chunks_mut(order.batch_size * GROUP_BATCHES) {
+        for group in rows.chunks_mut(global * GROUP_BATCHES) {
             group.sort_by_key(|&r| std::cmp::Reverse(split.length(r)));
-            out.extend(group.chunks(order.batch_size).map(<[usize]>::to_vec));
+            out.extend(group.chunks(global).map(<[usize]>::to_vec));
         }
         rng.shuffle(&mut out);
         out
     } else {
-        rows.chunks(order.batch_size)
-            .map(<[usize]>::to_vec)
-            .collect()
+        rows.chunks(global).map(<[usize]>::to_vec).collect()
     };
-    let per_rank = batches.len() / order.world;
-    batches.truncate(per_rank * order.world);
     batches
-        .into_iter()
-        .skip(order.rank)
-        .step_by(order.world)
+        .iter_mut()
+        .map(|batch| {
+            let (base, extra) = (batch.len() / order.world, batch.len() % order.world);
+            let part = |rank: usize| {
+                let start = rank * base + rank.min(extra);
+                &batch[start..start + base + usize::from(rank < extra)]
+            };
+            let slots = |rows: &[usize]| {
+                rows.len()
+                    * rows
+                        .iter()
+                        .map(|&r| split.length(r))
+                        .max()
+                        .unwrap_or(0)
+                        .max(1)
+            };
+            Shard {
+                rows: part(order.rank).to_vec(),
+                global_rows: batch.len(),
+                global_tokens: batch.iter().map(|&r| split.length(r)).sum(),
+                global_slots: (0..order.world).map(|r| slots(part(r))).sum(),
+            }
+        })
         .collect()
 }
 
 /// How many batches [`epoch_batches`] gives each rank, without shuffling anything: length
-/// groups are whole multiples of the batch size, so grouping never adds a batch.
+/// groups are whole multiples of the global batch size, so grouping never adds a batch.
 pub(crate) fn batches_per_epoch(rows: usize, order: &Order) -> usize {
-    rows.div_ceil(order.batch_size) / order.world
+    rows.div_ceil(order.batch_size * order.world)
 }
 
 /// Batches for evaluation: every row once, sorted by length (least padding), in order.
@@ -132,8 +168,9 @@ pub(crate) fn make_batch(split: &Split, rows: &[usize], pad_id: i64) -> Batch {
         attention_mask: Tensor::from_slice(&mask).view(shape),
         labels: Tensor::from_slice(&labels),
         rows: rows.len(),
-        tokens,
-        slots: ids.len(),
+        global_rows: rows.len(),
+        global_tokens: tokens,
+        global_slots: ids.len(),
     }
 }
 
@@ -144,19 +181,20 @@ pub(crate) struct Prefetch {
 }
 
 impl Prefetch {
-    pub(crate) fn start(
-        split: Arc<Split>,
-        batches: Vec<Vec<usize>>,
-        pad_id: i64,
-        depth: usize,
-    ) -> Self {
+    pub(crate) fn start(split: Arc<Split>, batches: Vec<Shard>, pad_id: i64, depth: usize) -> Self {
         let (tx, rx): (SyncSender<Batch>, _) = sync_channel(depth.max(1));
         let handle = std::thread::Builder::new()
             .name("lakeml-loader".into())
             .spawn(move || {
-                for rows in batches {
+                for shard in batches {
+                    let batch = Batch {
+                        global_rows: shard.global_rows,
+                        global_tokens: shard.global_tokens,
+                        global_slots: shard.global_slots,
+                        ..make_batch(&split, &shard.rows, pad_id)
+                    };
                     // The consumer hung up (an error, or early stopping): stop quietly.
-                    if tx.send(make_batch(&split, &rows, pad_id)).is_err() {
+                    if tx.send(batch).is_err() {
                         return;
                     }
                 }
@@ -211,14 +249,18 @@ mod tests {
         }
     }
 
+    fn rows(shards: &[Shard]) -> Vec<Vec<usize>> {
+        shards.iter().map(|s| s.rows.clone()).collect()
+    }
+
     #[test]
     fn every_row_once_per_epoch_and_epochs_differ() {
         let s = split(&(0..103).map(|i| 1 + i % 17).collect::<Vec<_>>());
         let e0 = epoch_batches(&s, &order(true, 0, 1), 0);
         let e1 = epoch_batches(&s, &order(true, 0, 1), 1);
-        let mut rows: Vec<usize> = e0.iter().flatten().copied().collect();
-        rows.sort();
-        assert_eq!(rows, (0..103).collect::<Vec<_>>());
+        let mut all: Vec<usize> = e0.iter().flat_map(|b| b.rows.clone()).collect();
+        all.sort();
+        assert_eq!(all, (0..103).collect::<Vec<_>>());
         assert_ne!(e0, e1);
         assert_eq!(
             e0,
@@ -236,11 +278,11 @@ mod tests {
     #[test]
     fn length_grouping_cuts_padding() {
         let s = split(&(0..512).map(|i| 1 + (i * 37) % 64).collect::<Vec<_>>());
-        let pad = |batches: Vec<Vec<usize>>| -> usize {
+        let pad = |batches: Vec<Shard>| -> usize {
             batches
                 .iter()
-                .map(|b| make_batch(&s, b, 0))
-                .map(|b| b.slots - b.tokens)
+                .map(|b| make_batch(&s, &b.rows, 0))
+                .map(|b| b.global_slots - b.global_tokens)
                 .sum()
         };
         let grouped = pad(epoch_batches(&s, &order(true, 0, 1), 0));
@@ -249,18 +291,45 @@ mod tests {
     }
 
     #[test]
-    fn shards_are_disjoint_equal_and_cover_all_but_the_remainder() {
-        let s = split(&[3; 52]);
-        let shards: Vec<_> = (0..3)
-            .map(|r| epoch_batches(&s, &order(true, r, 3), 0))
-            .collect();
-        assert!(shards.iter().all(|b| b.len() == shards[0].len()));
-        let mut rows: Vec<usize> = shards.iter().flatten().flatten().copied().collect();
-        let n = rows.len();
-        rows.sort();
-        rows.dedup();
-        assert_eq!(rows.len(), n, "no row in two shards");
-        assert_eq!(n, 12 * 4, "13 batches -> 12 shared by 3 ranks, 4 each");
+    fn ranks_split_the_global_batches_of_one_process() {
+        // 3 ranks × batch 4 see, step by step, the batches one rank × batch 12 sees; the
+        // last global batch (103 = 8·12 + 7 rows) splits 3, 2, 2.
+        let s = split(&(0..103).map(|i| 1 + (i * 7) % 23).collect::<Vec<_>>());
+        for grouped in [true, false] {
+            let one = epoch_batches(
+                &s,
+                &Order {
+                    batch_size: 12,
+                    ..order(grouped, 0, 1)
+                },
+                2,
+            );
+            let shards: Vec<_> = (0..3)
+                .map(|r| epoch_batches(&s, &order(grouped, r, 3), 2))
+                .collect();
+            assert!(shards.iter().all(|b| b.len() == one.len()));
+            for (step, whole) in one.iter().enumerate() {
+                let joined: Vec<usize> = shards.iter().flat_map(|b| b[step].rows.clone()).collect();
+                assert_eq!(joined, whole.rows, "step {step}");
+                assert!(
+                    shards
+                        .iter()
+                        .all(|b| b[step].global_rows == whole.rows.len())
+                );
+                assert!(
+                    shards
+                        .iter()
+                        .all(|b| b[step].global_tokens == whole.global_tokens)
+                );
+                let slots: usize = shards
+                    .iter()
+                    .map(|b| make_batch(&s, &b[step].rows, 0).global_slots)
+                    .sum();
+                assert!(shards.iter().all(|b| b[step].global_slots == slots));
+            }
+            let last: Vec<usize> = shards.iter().map(|b| rows(b)[8].len()).collect();
+            assert_eq!(last, [3, 2, 2]);
+        }
     }
 
     #[test]
@@ -277,13 +346,21 @@ mod tests {
                 .unwrap_or_default(),
             vec![7]
         );
-        assert_eq!((b.tokens, b.slots), (7, 12));
+        assert_eq!((b.global_tokens, b.global_slots), (7, 12));
     }
 
     #[test]
     fn prefetch_yields_batches_in_order_and_stops_when_dropped() {
         let s = Arc::new(split(&[1; 40]));
-        let batches = eval_batches(&s, 4);
+        let batches: Vec<Shard> = eval_batches(&s, 4)
+            .into_iter()
+            .map(|rows| Shard {
+                global_rows: rows.len(),
+                global_tokens: rows.len(),
+                global_slots: rows.len(),
+                rows,
+            })
+            .collect();
         let mut p = Prefetch::start(s.clone(), batches.clone(), 0, 2);
         assert_eq!(p.next().map(|b| b.rows), Some(4));
         drop(p); // must not hang with the thread blocked on a full channel

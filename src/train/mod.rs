@@ -10,6 +10,7 @@
 
 mod checkpoint;
 mod data;
+mod dist;
 mod loader;
 mod metrics;
 mod optim;
@@ -19,6 +20,7 @@ use serde::Serialize;
 
 pub(crate) use checkpoint::{RunDir, clear as clear_checkpoints};
 pub(crate) use data::{ID, Limits, dataset};
+pub(crate) use dist::{Group, Launch};
 pub(crate) use trainer::{Job, train};
 
 use crate::config::{Precision, SaveWhich, Schedule};
@@ -44,8 +46,6 @@ pub(crate) struct TrainSettings {
     pub max_grad_norm: f64,
     pub group_by_length: bool,
     pub prefetch: usize,
-    pub rank: usize,
-    pub world: usize,
     pub eval_every: Every,
     pub checkpoint_every: Every,
     pub keep_checkpoints: usize,

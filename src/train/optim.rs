@@ -174,6 +174,41 @@ impl AdamW {
         }
     }
 
+    /// Makes this optimizer's state rank 0's, through `broadcast` (in place): the fp32
+    /// weights, the model's copy of them, both moments. Data parallelism starts here.
+    pub(crate) fn sync(
+        &mut self,
+        mut broadcast: impl FnMut(&mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        match &mut self.master {
+            Some(master) => {
+                broadcast(master)?;
+                tch::no_grad(|| self.flat.copy_(master));
+            }
+            None => broadcast(&mut self.flat)?,
+        }
+        broadcast(&mut self.m)?;
+        broadcast(&mut self.v)
+    }
+
+    /// Averages the accumulated gradients across ranks with `all_reduce` (in place), as one
+    /// flat fp32 buffer: bf16 gradients are widened first and rounded once after.
+    pub(crate) fn reduce_grads(
+        &mut self,
+        all_reduce: impl FnOnce(&mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        if !self.grads_bound {
+            self.bind_grads()?;
+        }
+        if self.flat_grad.kind() == Kind::Float {
+            return all_reduce(&mut self.flat_grad);
+        }
+        let mut wide = self.flat_grad.to_kind(Kind::Float);
+        all_reduce(&mut wide)?;
+        tch::no_grad(|| self.flat_grad.copy_(&wide));
+        Ok(())
+    }
+
     /// Optimizer state for a checkpoint: fp32 weights, both moments.
     pub(crate) fn state(&self) -> Vec<(&'static str, Tensor)> {
         let weights = self

@@ -10,6 +10,7 @@ use tch::{Kind, Tensor};
 
 use super::checkpoint::{self, LoopState, RunDir};
 use super::data::{Dataset, Split};
+use super::dist::Group;
 use super::loader::{self, Batch, Order, Prefetch};
 use super::metrics::{self, Metrics};
 use super::optim::{self, AdamW, AdamWConfig};
@@ -37,8 +38,23 @@ pub(crate) struct Job {
     pub mlflow: Option<MlflowSettings>,
     pub settings: TrainSettings,
     pub data: Dataset,
+    /// Names checkpoints: a checkpoint with another fingerprint is never resumed. It leaves
+    /// out the number of ranks, so a run resumes with the same or another N.
     pub fingerprint: String,
     pub progress: bool,
+    /// The process group of a data-parallel run; `None` trains alone.
+    pub group: Option<Arc<Group>>,
+}
+
+impl Job {
+    /// Rank 0 (or a run alone) writes the checkpoints, logs and model.
+    fn writes(&self) -> bool {
+        self.group.as_ref().is_none_or(|g| g.rank == 0)
+    }
+
+    fn rank_world(&self) -> (usize, usize) {
+        self.group.as_ref().map_or((0, 1), |g| (g.rank, g.world))
+    }
 }
 
 /// The seed of micro-batch `n`: dropout masks depend only on (seed, n), so a resumed run
@@ -47,19 +63,24 @@ fn batch_seed(seed: u64, n: u64) -> i64 {
     (seed.wrapping_mul(0x9E37_79B9).wrapping_add(n) & 0x7FFF_FFFF_FFFF) as i64
 }
 
-/// Mean loss, predictions and metrics of `model` over `split`, in eval mode.
+/// Mean loss, predictions and metrics of `model` over `split`, in eval mode. With a group,
+/// each rank evaluates every `world`-th batch and the sums are reduced: every rank gets the
+/// same metrics.
 fn evaluate(
     model: &Model,
     split: &Split,
     batch_size: usize,
     pad_id: i64,
     classes: usize,
-) -> Metrics {
+    group: Option<&Group>,
+) -> Result<Metrics> {
     let _guard = tch::no_grad_guard();
     let device = model.vs.device();
     let mut loss_sum = 0.0;
     let mut predicted = vec![0i64; split.len()];
-    for rows in loader::eval_batches(split, batch_size) {
+    let (rank, world) = group.map_or((0, 1), |g| (g.rank, g.world));
+    let batches = loader::eval_batches(split, batch_size);
+    for rows in batches.into_iter().skip(rank).step_by(world) {
         let b = loader::make_batch(split, &rows, pad_id);
         let logits = model.net.forward_t(
             &b.input_ids.to_device(device),
@@ -74,8 +95,25 @@ fn evaluate(
             predicted[*row] = p;
         }
     }
+    if let Some(g) = group {
+        // Each row's prediction comes from one rank, zeros from the others: the sum is exact.
+        let mut sums: Vec<f64> = predicted.iter().map(|&p| p as f64).collect();
+        sums.push(loss_sum);
+        let mut t = Tensor::from_slice(&sums);
+        g.all_reduce_sum(&mut t, "the evaluation")?;
+        let sums = Vec::<f64>::try_from(&t).unwrap_or_default();
+        loss_sum = sums.last().copied().unwrap_or_default();
+        for (p, v) in predicted.iter_mut().zip(&sums) {
+            *p = *v as i64;
+        }
+    }
     let n = split.len().max(1) as f64;
-    metrics::classification(&split.labels, &predicted, classes, loss_sum / n)
+    Ok(metrics::classification(
+        &split.labels,
+        &predicted,
+        classes,
+        loss_sum / n,
+    ))
 }
 
 fn due(every: Every, step: u64, end_of_epoch: bool) -> bool {
@@ -143,21 +181,19 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         kind,
     )?;
 
+    let (rank, world) = job.rank_world();
     let order = Order {
         batch_size: s.batch_size,
         seed: s.seed,
         group_by_length: s.group_by_length,
-        rank: s.rank,
-        world: s.world,
+        rank,
+        world,
     };
     let micro_per_epoch = loader::batches_per_epoch(train.len(), &order);
     if micro_per_epoch == 0 {
-        return Err(Error::Data(format!(
-            "{} training rows make no batch for rank {} of {}",
-            train.len(),
-            s.rank,
-            s.world
-        )));
+        return Err(Error::Data(
+            "the training split is empty, so there is nothing to train on".into(),
+        ));
     }
     let steps_per_epoch = micro_per_epoch.div_ceil(s.grad_accum) as u64;
     let total_steps = s.max_steps.unwrap_or(steps_per_epoch * s.epochs);
@@ -168,23 +204,49 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     // Resume from the latest checkpoint of this very configuration, if a run was cut short.
     let mut state = LoopState {
         fingerprint: job.fingerprint.clone(),
+        world,
         ..LoopState::default()
     };
     let mut resumed_from = None;
-    checkpoint::pull(&job.output)?;
-    match checkpoint::latest(&job.output, &job.fingerprint)? {
-        Some(restored) => {
-            opt.restore(&restored.tensors, restored.state.global_step)?;
-            state = restored.state;
-            resumed_from = Some(state.global_step);
+    if job.writes() {
+        checkpoint::pull(&job.output)?;
+        match checkpoint::latest(&job.output, &job.fingerprint)? {
+            // A finished run of another number of ranks is not this run's end: start over.
+            Some(restored)
+                if restored.state.world == world || restored.state.global_step < total_steps =>
+            {
+                opt.restore(&restored.tensors, restored.state.global_step)?;
+                state = restored.state;
+                resumed_from = Some(state.global_step);
+            }
+            _ => checkpoint::clear(&job.output)?,
         }
-        None => checkpoint::clear(&job.output)?,
     }
-    let mut tracker = Tracker::open(
-        &job.output.path,
-        job.mlflow.clone(),
-        state.mlflow_run_id.as_deref(),
-    )?;
+    if let Some(g) = &job.group {
+        // Rank 0's position and weights (a checkpoint's, or its fresh ones), as DDP does.
+        let text = serde_json::to_vec(&(&state, resumed_from))
+            .map_err(|e| Error::Internal(format!("loop state: {e}")))?;
+        let text = g.broadcast_bytes(&text, "the loop state")?;
+        (state, resumed_from) = serde_json::from_slice(&text)
+            .map_err(|e| Error::Internal(format!("rank 0's loop state: {e}")))?;
+        opt.sync(|t| g.broadcast(t, "the initial weights"))?;
+        opt.steps = state.global_step;
+    }
+    // Micro-batches are counted in global batches: with another number of ranks, the
+    // resumed epoch skips as many rows as were done (its order is that of the new size).
+    if state.world != world {
+        state.batches_done = state.batches_done * state.world / world;
+        state.world = world;
+    }
+    let mut tracker = if job.writes() {
+        Tracker::open(
+            &job.output.path,
+            job.mlflow.clone(),
+            state.mlflow_run_id.as_deref(),
+        )?
+    } else {
+        Tracker::silent()
+    };
     state.mlflow_run_id = tracker.mlflow_run_id().map(str::to_string);
     if resumed_from.is_none() {
         let mut params: Vec<(String, String)> = serde_json::to_value(s)
@@ -197,6 +259,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         params.push(("model".into(), job.model_dir.display().to_string()));
         params.push(("model_type".into(), model.config.arch.prefix().into()));
         params.push(("train_rows".into(), train.len().to_string()));
+        params.push(("world".into(), world.to_string()));
         params.push(("parameters".into(), opt.numel().to_string()));
         params.push(("new_weights".into(), model.fresh.join(",")));
         params.push(("labels".into(), job.data.labels.join(",")));
@@ -216,7 +279,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
             total_steps,
             warmup,
         },
-        bar: bar(job.progress, total_steps),
+        bar: bar(job.progress && job.writes(), total_steps),
         window: Window::new(job.device),
         stopped: false,
     }
@@ -230,25 +293,45 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     };
 
     // The saved model: the best weights by `best_metric`, or the final ones.
-    if s.save == SaveWhich::Best
-        && let Some(best) = checkpoint::best(&job.output, &job.fingerprint)?
-    {
-        opt.load_weights(&best.to_device(job.device));
+    if s.save == SaveWhich::Best {
+        if job.writes()
+            && let Some(best) = checkpoint::best(&job.output, &job.fingerprint)?
+        {
+            opt.load_weights(&best.to_device(job.device));
+        }
+        if let Some(g) = &job.group {
+            opt.sync(|t| g.broadcast(t, "the best weights"))?;
+        }
     }
     let mut outcome_metrics = Metrics::new();
     let eval_bs = s.eval_batch_size;
     if !job.data.test.is_empty() {
-        let test = evaluate(&model, &job.data.test, eval_bs, pad_id, classes);
+        let group = job.group.as_deref();
+        let test = evaluate(&model, &job.data.test, eval_bs, pad_id, classes, group)?;
         log(&mut tracker, state.global_step, &prefixed("test", &test))?;
         outcome_metrics.extend(test.into_iter().map(|(k, v)| (format!("test_{k}"), v)));
     }
-    let model_dir = save_model(&job, &model)?;
-    tracker.artifacts(&model_dir, "model")?;
-    tracker.finish(true)?;
-    checkpoint::push_logs(&job.output)?;
+    let model_dir = if job.writes() {
+        let dir = save_model(&job, &model)?;
+        tracker.artifacts(&dir, "model")?;
+        tracker.finish(true)?;
+        checkpoint::push_logs(&job.output)?;
+        dir
+    } else {
+        job.output.path.join("model")
+    };
 
     let secs = state.train_seconds.max(1e-9);
     outcome_metrics.insert("steps".into(), state.global_step as f64);
+    outcome_metrics.insert("world".into(), world as f64);
+    if world > 1 {
+        // Per step of this process (a resumed run counts its own steps only).
+        let steps = (state.global_step - resumed_from.unwrap_or(0)).max(1);
+        outcome_metrics.insert(
+            "all_reduce_ms_per_step".into(),
+            1e3 * state.all_reduce_seconds / steps as f64,
+        );
+    }
     outcome_metrics.insert("train_seconds".into(), state.train_seconds);
     outcome_metrics.insert("samples_per_second".into(), state.samples as f64 / secs);
     outcome_metrics.insert("tokens_per_second".into(), state.tokens as f64 / secs);
@@ -316,21 +399,24 @@ impl Loop<'_> {
         let batches = loader::epoch_batches(train, &self.plan.order, epoch);
         let micro_total = batches.len();
         let skip = self.state.batches_done.min(micro_total);
-        let remaining: Vec<Vec<usize>> = batches.into_iter().skip(skip).collect();
+        let remaining: Vec<loader::Shard> = batches.into_iter().skip(skip).collect();
         let mut micro = skip;
         let mut in_step = 0usize;
         let mut clock = Clock::new(self.state.train_seconds);
         for batch in Prefetch::start(train.clone(), remaining, self.plan.pad_id, s.prefetch) {
-            // Each micro-batch seeds the RNG by its global index (dropout).
+            // Each micro-batch seeds the RNG by its global index and the rank (dropout): a
+            // resumed run draws the same masks, and ranks draw different ones.
             let global_micro = epoch * micro_total as u64 + micro as u64;
-            tch::manual_seed(batch_seed(s.seed, global_micro));
+            let (rank, world) = (self.plan.order.rank as u64, self.plan.order.world as u64);
+            tch::manual_seed(batch_seed(s.seed, global_micro * world + rank));
             let loss = self.forward_backward(&batch);
             micro += 1;
             in_step += 1;
-            self.state.samples += batch.rows as u64;
-            self.state.tokens += batch.tokens as u64;
-            self.state.slots += batch.slots as u64;
-            self.window.add(batch.rows, &loss);
+            // Counted for the whole global batch, every rank's part.
+            self.state.samples += batch.global_rows as u64;
+            self.state.tokens += batch.global_tokens as u64;
+            self.state.slots += batch.global_slots as u64;
+            self.window.add(batch.global_rows, &loss);
             if in_step < s.grad_accum && micro < micro_total {
                 continue;
             }
@@ -363,8 +449,9 @@ impl Loop<'_> {
                 }
                 self.state.train_seconds = clock.seconds();
             }
-            if due(s.checkpoint_every, step, end_of_epoch)
-                || (self.stopped && s.checkpoint_every != Every::Never)
+            if job.writes()
+                && (due(s.checkpoint_every, step, end_of_epoch)
+                    || (self.stopped && s.checkpoint_every != Every::Never))
             {
                 clock.exclude(|| {
                     checkpoint::save(
@@ -387,16 +474,27 @@ impl Loop<'_> {
     }
 
     /// One micro-batch forward and backward (gradients accumulate, scaled by 1/grad_accum);
-    /// returns its loss, on the device.
+    /// returns its loss, on the device. A rank's share of a global batch weighs its loss by
+    /// its rows, so the average over ranks is the global batch's mean loss.
     fn forward_backward(&mut self, batch: &Batch) -> Tensor {
         let device = self.job.device;
+        if batch.rows == 0 {
+            // The last global batch had fewer rows than there are ranks; this one adds
+            // nothing to the sum the all-reduce averages.
+            return Tensor::zeros([], (Kind::Float, device));
+        }
         let logits = self.model.net.forward_t(
             &batch.input_ids.to_device(device),
             &batch.attention_mask.to_device(device),
             true,
         );
         let loss = logits.cross_entropy_for_logits(&batch.labels.to_device(device));
-        (&loss / self.job.settings.grad_accum as f64).backward();
+        let world = self.plan.order.world;
+        let mut scale = self.job.settings.grad_accum as f64;
+        if world > 1 {
+            scale *= batch.global_rows as f64 / (batch.rows * world) as f64;
+        }
+        (&loss / scale).backward();
         loss
     }
 
@@ -406,6 +504,13 @@ impl Loop<'_> {
         let s = &self.job.settings;
         let (step, total) = (self.state.global_step, self.plan.total_steps);
         let lr = optim::learning_rate(s.schedule, s.lr, self.plan.warmup, step, total);
+        if let Some(g) = &self.job.group {
+            // Clipping and the step then see the same gradients on every rank.
+            let started = Instant::now();
+            self.opt
+                .reduce_grads(|t| g.all_reduce_mean(t, "the gradients"))?;
+            self.state.all_reduce_seconds += started.elapsed().as_secs_f64();
+        }
         let norm = self.opt.grad_norm()?;
         if !norm.is_finite() {
             return Err(Error::Model(format!(
@@ -436,7 +541,8 @@ impl Loop<'_> {
             s.eval_batch_size,
             pad_id,
             classes,
-        );
+            job.group.as_deref(),
+        )?;
         log(self.tracker, step, &prefixed("eval", &m))?;
         self.tracker.flush()?; // evaluations reach MLflow now, not at the next batch
         self.bar.println(format!(
@@ -450,11 +556,13 @@ impl Loop<'_> {
             .is_none_or(|(b, _)| improved(value, b, &s.best_metric, 0.0))
         {
             self.state.best = Some((value, step));
-            checkpoint::save_best(
-                &job.output,
-                self.opt.weights().to_device(tch::Device::Cpu),
-                self.state,
-            )?;
+            if job.writes() {
+                checkpoint::save_best(
+                    &job.output,
+                    self.opt.weights().to_device(tch::Device::Cpu),
+                    self.state,
+                )?;
+            }
         }
         let Some(es) = &s.early_stopping else {
             return Ok(false);
