@@ -112,8 +112,7 @@ fn wait_all(ranks: &mut [Child]) -> Result<()> {
         .map(|(rank, s)| format!("rank {rank} {}", how(s)))
         .collect();
     let message = format!(
-        "{} of {} ranks failed: {} (each rank's own error is above); a rerun resumes from the \
-         last checkpoint",
+        "{} of {} ranks failed: {} (each rank's own error is above)",
         failed.len(),
         ranks.len(),
         text.join(", ")
@@ -121,7 +120,9 @@ fn wait_all(ranks: &mut [Child]) -> Result<()> {
     if failed.iter().all(|(_, s)| s.code() == Some(2)) {
         Err(Error::Launch(message))
     } else {
-        Err(Error::Model(message))
+        Err(Error::Model(format!(
+            "{message}; a rerun resumes from the last checkpoint"
+        )))
     }
 }
 

@@ -3,6 +3,7 @@
 
 mod cli;
 mod common;
+mod distributed;
 mod docs;
 mod embed;
 mod jobs;
