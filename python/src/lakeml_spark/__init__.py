@@ -8,6 +8,8 @@
   tables (`path=`, `version=`), see lakeml_spark.datasource; read_query / read_delta wrap it.
 - write_delta(df, path, mode=..., app_id=..., version=...): one Delta commit, exactly once
   per (app_id, version), see lakeml_spark.delta.
+- train(spark, "pipeline.yaml", num_processes=N): `pipeline run` as N ranks of a
+  data-parallel job on Spark barrier tasks (as TorchDistributor), see lakeml_spark._train.
 
 Importing the package needs nothing but Python: pyspark, pyarrow and deltalake (the `spark`
 extra, `pip install 'lakeml[spark]'`) are imported when a function is first used.
@@ -17,7 +19,7 @@ import importlib
 _EXPORTS = {
     "LakemlDataSource": "datasource", "read_delta": "datasource", "read_query": "datasource",
     "register": "datasource", "write_delta": "delta", "PREDICTED": "_predict",
-    "WorkerError": "_errors", "embed": "_predict", "predict": "_predict",
+    "WorkerError": "_errors", "embed": "_predict", "predict": "_predict", "train": "_train",
 }
 
 __all__ = sorted(_EXPORTS)
