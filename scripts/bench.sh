@@ -3,7 +3,9 @@
 #   scripts/bench.sh tokenize [args]   lakeml tokenize vs datasets.map (benches/bench_tokenize.py)
 #   scripts/bench.sh train [args]      lakeml train vs HF Trainer, and vs HF with the MKL override
 #                                      preloaded (benches/bench_train.py; --precision fp32|bf16|both,
-#                                      --repeat N, --limit N, --side, --out FILE)
+#                                      --repeat N, --limit N, --side, --out FILE; --nproc N adds
+#                                      N-rank lakeml against HF DDP under torchrun, and the
+#                                      gradient all-reduce against torch.distributed's)
 #   scripts/bench.sh predict [args]    lakeml predict (fp32, bf16, int8) vs HF pipeline,
 #                                      Trainer.predict, careful PyTorch (+ MKL override) and ONNX
 #                                      Runtime (benches/bench_predict.py; --precision
