@@ -308,7 +308,7 @@ fn bad_launches_fail_clearly_and_write_nothing() {
 }
 
 #[test]
-fn spark_barrier_tasks_train_what_nproc_trains() {
+fn spark_barrier_tasks_and_torch_distributor_train_what_nproc_trains() {
     // lakeml_spark.train: 2 ranks as the barrier tasks of Spark local[2] (rank 0 picks the
     // port and shares it with allGather), against `--nproc 2`.
     let settings = "      max_steps: 6\n      eval_every: none\n      checkpoint_every: none\n";
@@ -333,4 +333,28 @@ fn spark_barrier_tasks_train_what_nproc_trains() {
     let cmp = python("compare_weights.py", &[&weights(&nproc), &weights(&spark)]);
     assert_eq!(cmp["names_equal"], true, "{cmp}");
     assert_eq!(cmp["max_abs_diff"], 0.0, "Spark against --nproc: {cmp}");
+
+    // PySpark's TorchDistributor (local mode: torchrun on the driver) through the two-line
+    // script the docs show.
+    let distributor = scratch(16, settings);
+    let (got, stderr) = Job::spawn_with(
+        &distributor,
+        &test_script("spark_torch_distributor.py"),
+        &["p.yaml"],
+        "distributor",
+        &[(
+            "LAKEML_PIPELINE",
+            OsStr::new(env!("CARGO_BIN_EXE_pipeline")),
+        )],
+    )
+    .finish("spark_torch_distributor.py");
+    assert_eq!(got["done"], true, "{got}\n{stderr}");
+    let cmp = python(
+        "compare_weights.py",
+        &[&weights(&nproc), &weights(&distributor)],
+    );
+    assert_eq!(
+        cmp["max_abs_diff"], 0.0,
+        "TorchDistributor against --nproc: {cmp}"
+    );
 }
