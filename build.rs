@@ -1,8 +1,9 @@
 //! Gives the `pipeline` binary an rpath to libtorch, so it runs without LD_LIBRARY_PATH,
 //! exports its answer to MKL's CPU check (src/gemm.rs), and records which libtorch it was
 //! built against (`pipeline info`, and the version check at start: src/runtime.rs). It also
-//! compiles the c10d shim (csrc/c10d: libtorch's TCPStore and ProcessGroupGloo behind a C
-//! ABI, for data-parallel training: src/train/dist.rs) against that libtorch's headers.
+//! compiles the c10d shim (csrc/c10d: libtorch's TCPStore, ProcessGroupGloo and, where
+//! libtorch has CUDA, ProcessGroupNCCL behind a C ABI, for data-parallel training:
+//! src/train/dist.rs) against that libtorch's headers.
 //!
 //! torch-sys (a direct dependency for this reason; it declares `links = "tch"`) exports the
 //! libtorch library directory it linked against as DEP_TCH_LIBTORCH_LIB. `$ORIGIN`-relative
@@ -48,11 +49,25 @@ fn main() {
 /// Compiles csrc/c10d/shim.cpp as torch-sys compiles its own wrapper (C++17, the CXX11 ABI
 /// the PyPI wheels use), with gloo's types declared by csrc/c10d/gloo-stub (the wheel ships
 /// no gloo headers). Its c10d symbols come from libtorch_cpu, named again after the static
-/// shim so that the linker's `--as-needed` keeps it.
+/// shim so that the linker's `--as-needed` keeps it. csrc/c10d/nccl.cpp joins it where
+/// libtorch has CUDA and the headers NCCL's half needs are installed (see [`nccl_includes`]);
+/// it sets cfg `lakeml_nccl` then.
 fn c10d_shim(libtorch_lib: &str) {
     println!("cargo:rerun-if-changed=csrc/c10d");
+    println!("cargo::rustc-check-cfg=cfg(lakeml_nccl)");
     let include = std::path::Path::new(libtorch_lib).join("../include");
-    cc::Build::new()
+    let mut build = cc::Build::new();
+    let nccl = nccl_includes(libtorch_lib);
+    if let Some(dirs) = &nccl {
+        build
+            .define("USE_C10D_NCCL", None)
+            .includes(dirs)
+            // c10/cuda/CUDAEvent.h trips GCC's note on std::hardware_destructive_interference_size.
+            .flag_if_supported("-Wno-interference-size")
+            .file("csrc/c10d/nccl.cpp");
+        println!("cargo:rustc-cfg=lakeml_nccl");
+    }
+    build
         .cpp(true)
         .std("c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
@@ -64,6 +79,53 @@ fn c10d_shim(libtorch_lib: &str) {
         .warnings(false)
         .file("csrc/c10d/shim.cpp")
         .compile("lakeml_c10d");
+    if nccl.is_some() {
+        println!("cargo:rustc-link-lib=torch_cuda");
+        println!("cargo:rustc-link-lib=c10_cuda");
+    }
     println!("cargo:rustc-link-lib=torch_cpu");
     println!("cargo:rustc-link-lib=c10");
+}
+
+/// The include directories NCCL's half of the shim needs, where the torch wheel beside
+/// libtorch has CUDA: NCCL's header (PyPI nvidia-nccl, a torch dependency, at the version
+/// torch was built with, which fixes the layout of ProcessGroupNCCL::Options) and CUDA's
+/// runtime headers (nvidia-cuda-runtime, with the crt/ and nv/ parts from nvidia-cuda-crt
+/// and nvidia-cuda-cccl that scripts/env.sh installs). `None` where any is missing: the
+/// build then has gloo alone, and `backend: nccl` says so.
+fn nccl_includes(libtorch_lib: &str) -> Option<Vec<std::path::PathBuf>> {
+    let lib = std::path::Path::new(libtorch_lib);
+    if !lib.join("libtorch_cuda.so").exists() {
+        return None;
+    }
+    let nvidia = lib.join("../../nvidia");
+    let dirs: Vec<std::path::PathBuf> = std::fs::read_dir(&nvidia)
+        .ok()?
+        .filter_map(|e| Some(e.ok()?.path().join("include")))
+        .filter(|d| d.is_dir())
+        .collect();
+    let needed = [
+        "nccl.h",
+        "cuda_runtime_api.h",
+        "crt/host_defines.h",
+        "nv/target",
+    ];
+    let mut found: Vec<std::path::PathBuf> = Vec::new();
+    for header in needed {
+        let Some(dir) = dirs.iter().find(|d| d.join(header).exists()) else {
+            // Seen again once they are installed.
+            println!("cargo:rerun-if-changed={}", nvidia.display());
+            println!(
+                "cargo:warning=no {header} under {}: building without NCCL (scripts/env.sh \
+                 installs CUDA's headers)",
+                nvidia.display()
+            );
+            return None;
+        };
+        println!("cargo:rerun-if-changed={}", dir.join(header).display());
+        if !found.contains(dir) {
+            found.push(dir.clone());
+        }
+    }
+    Some(found)
 }

@@ -4,7 +4,8 @@
 #
 # Everything lakeml needs from outside the clone is installed into one cache directory,
 # keyed by version, and reused when present:
-#   $LAKEML_CACHE/venv-torch-<v>   Python venv: torch (libtorch for tch) + test/bench peers
+#   $LAKEML_CACHE/venv-torch-<v>   Python venv: torch (libtorch for tch), CUDA's headers for
+#                                  the NCCL shim, test/bench peers
 #   $LAKEML_CACHE/venv-mlflow-<v>  Python venv: the MLflow server the tracker tests talk to
 #   $LAKEML_CACHE/venv-maturin-<v> Python venv: maturin, which packs the wheel
 #   $LAKEML_CACHE/venv-moto-<v>, azurite-<v>  the S3 and Azure Blob servers of the tests
@@ -45,6 +46,14 @@ ensure_venv() {
     python3 -m venv "$LAKEML_VENV"
     "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
     touch "$LAKEML_VENV/.torch-ok"
+  fi
+  # NCCL's half of the c10d shim (csrc/c10d/nccl.cpp, compiled by build.rs) needs CUDA
+  # headers that torch's own nvidia-* packages leave out: CUDA 13.0's, as torch+cu130 is.
+  if [[ ! -f "$LAKEML_VENV/.cuda-headers-ok" ]]; then
+    log "installing CUDA's crt and cccl headers (~20 MB, for the NCCL backend) into $LAKEML_VENV"
+    "$LAKEML_PYTHON" -m pip install -q --disable-pip-version-check --no-deps \
+      "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85"
+    touch "$LAKEML_VENV/.cuda-headers-ok"
   fi
   local want have=""
   want="$(sha256sum "$LAKEML_ROOT/scripts/requirements.txt" | cut -c1-16)"

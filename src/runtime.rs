@@ -20,6 +20,9 @@ pub struct RuntimeInfo {
     pub torch_threads: i32,
     pub cuda_available: bool,
     pub cuda_devices: i64,
+    /// The c10d backends data-parallel training can use: gloo, and NCCL where the build
+    /// compiled it (build.rs).
+    pub c10d_backends: &'static str,
     pub cpu_cores: usize,
     /// The fp32 GEMM path and both precisions' measured GEMM speed.
     pub gemm: GemmInfo,
@@ -37,6 +40,11 @@ impl RuntimeInfo {
             torch_threads: tch::get_num_threads(),
             cuda_available: tch::Cuda::is_available(),
             cuda_devices: tch::Cuda::device_count(),
+            c10d_backends: if crate::train::NCCL_BUILT {
+                "gloo (CPU), nccl (CUDA)"
+            } else {
+                "gloo (built without NCCL)"
+            },
             cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             gemm: GemmInfo::measure(),
         }
@@ -75,6 +83,7 @@ impl std::fmt::Display for RuntimeInfo {
                 " (no int8 dot-product instructions: `precision: int8` falls back)"
             }
         )?;
+        writeln!(f, "data parallelism (c10d): {}", self.c10d_backends)?;
         if self.cuda_available {
             write!(f, "cuda: {} device(s)", self.cuda_devices)
         } else {

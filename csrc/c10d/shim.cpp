@@ -5,47 +5,24 @@
 //
 // Tensors cross the boundary as `at::Tensor*` (what torch-sys's `tensor` is). Every function
 // returns NULL on success or a malloc'd error message (free it with lk_c10d_free_err): no
-// C++ exception crosses into Rust.
+// C++ exception crosses into Rust. The collectives and the store functions take either
+// kind of group, gloo's or NCCL's (nccl.cpp).
 //
 // gloo's own headers do not ship with the torch wheel; ProcessGroupGloo.hpp is compiled
 // against the declarations in gloo-stub/ (see gloo-stub/gloo/stub.h for the rule that keeps
 // that sound).
+#include "shim.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
-namespace {
-struct Group {
-  c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::Backend> pg;
-};
-
-char* copy(const char* s) {
-  size_t n = std::strlen(s);
-  char* p = static_cast<char*>(std::malloc(n + 1));
-  if (p) std::memcpy(p, s, n + 1);
-  return p;
-}
-}  // namespace
-
-#define LK_GUARD(...)                            \
-  try {                                          \
-    __VA_ARGS__;                                 \
-    return nullptr;                              \
-  } catch (const c10::Error& e) {                \
-    return copy(e.what_without_backtrace());     \
-  } catch (const std::exception& e) {            \
-    return copy(e.what());                       \
-  } catch (...) {                                \
-    return copy("unknown C++ exception");        \
-  }
+using lakeml::Group;
 
 extern "C" {
 
@@ -81,7 +58,20 @@ char* lk_c10d_group_new(const char* host, int port, int is_server, const char* p
   })
 }
 
-void lk_c10d_group_free(void* g) { delete static_cast<Group*>(g); }
+// Leaves the group: a clean shutdown (NCCL flushes its work and destroys its communicator,
+// as destroy_process_group() does), or an abort after a failed collective, which does not
+// wait for ranks that are gone. Both do nothing for gloo.
+void lk_c10d_group_free(void* g, int failed) {
+  auto* group = static_cast<Group*>(g);
+  try {
+    if (failed)
+      group->pg->abort();
+    else
+      group->pg->shutdown();
+  } catch (...) {
+  }
+  delete group;
+}
 
 // In-place sum over every rank. A dense, contiguous tensor.
 char* lk_c10d_allreduce_sum(void* g, at::Tensor* t) {

@@ -47,27 +47,37 @@ pub(crate) struct TrainStage {
 pub(crate) struct Distributed {
     /// How long a rendezvous or a collective waits for the other ranks.
     pub timeout: std::time::Duration,
+    /// CUDA tensors go through NCCL (else everything through gloo).
+    pub nccl: bool,
 }
 
-/// Checks `train.distributed`: gloo is what this build has; NCCL is refused with what to do
-/// instead.
+/// Checks `train.distributed` and picks the backend: `auto` is NCCL on CUDA where this
+/// build has it, gloo otherwise.
 fn distributed(f: &str, d: &DistributedSpec, device: tch::Device) -> Result<Distributed, String> {
     let timeout = crate::config::parse_duration(&d.timeout)
         .map_err(|e| format!("{f}.distributed.timeout: {e}"))?;
     if timeout.is_zero() {
         return Err(format!("{f}.distributed.timeout: must be more than 0s"));
     }
-    match (d.backend, device.is_cuda()) {
-        (Backend::Nccl, false) => Err(format!(
-            "{f}.distributed.backend: nccl runs on CUDA GPUs, and this stage trains on the \
-             CPU (`device`); use `gloo` or `auto`"
-        )),
-        (Backend::Nccl, true) => Err(format!(
-            "{f}.distributed.backend: this lakeml is built without NCCL yet; use `gloo` or \
-             `auto` (gloo)"
-        )),
-        (Backend::Auto | Backend::Gloo, _) => Ok(Distributed { timeout }),
-    }
+    let nccl = match (d.backend, device.is_cuda()) {
+        (Backend::Nccl, false) => {
+            return Err(format!(
+                "{f}.distributed.backend: nccl runs on CUDA GPUs, and this stage trains on the \
+                 CPU (`device`); use `gloo` or `auto`"
+            ));
+        }
+        (Backend::Nccl, true) if !crate::train::NCCL_BUILT => {
+            return Err(format!(
+                "{f}.distributed.backend: this lakeml was built without NCCL (its build found \
+                 no NCCL or CUDA headers next to libtorch); use `gloo`, or rebuild with \
+                 scripts/env.sh's venv, which installs them"
+            ));
+        }
+        (Backend::Nccl, true) => true,
+        (Backend::Auto, cuda) => cuda && crate::train::NCCL_BUILT,
+        (Backend::Gloo, _) => false,
+    };
+    Ok(Distributed { timeout, nccl })
 }
 
 fn every(field: &str, key: &str, e: &EverySpec) -> Result<Every, String> {
@@ -251,7 +261,8 @@ pub(super) fn train_stage(
             .ok()
             .flatten()
             .map_or(1, |l| l.local_world);
-        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get) / local_ranks
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        (cores / local_ranks).max(1)
     });
     // The id column of the tokenize stage in this file that writes the table read here.
     let id = t.id.or_else(|| {

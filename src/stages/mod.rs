@@ -184,7 +184,7 @@ impl Pipeline {
         let Some(launch) = crate::train::Launch::from_env()? else {
             return Ok(None);
         };
-        let Some(timeout) = self
+        let Some((timeout, nccl)) = self
             .stages
             .iter()
             .filter(|s| {
@@ -194,7 +194,7 @@ impl Pipeline {
                     .is_none_or(|o| o.iter().any(|n| n == s.name()))
             })
             .find_map(|s| match s {
-                Stage::Train(t) => Some(t.distributed.timeout),
+                Stage::Train(t) => Some((t.distributed.timeout, t.distributed.nccl)),
                 _ => None,
             })
         else {
@@ -206,7 +206,7 @@ impl Pipeline {
             )));
         };
         let group =
-            tokio::task::spawn_blocking(move || crate::train::Group::join(&launch, timeout))
+            tokio::task::spawn_blocking(move || crate::train::Group::join(&launch, timeout, nccl))
                 .await
                 .map_err(|_| Error::Internal("the rendezvous thread vanished".into()))??;
         let text = std::fs::read(&self.file)

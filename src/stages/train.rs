@@ -191,7 +191,11 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         model_dir: stage.model.clone(),
         config: stage.config.clone(),
         output,
-        device: stage.device,
+        // With NCCL, each rank trains on its own GPU (its LOCAL_RANK among the visible ones).
+        device: group
+            .as_ref()
+            .and_then(|g| g.device)
+            .unwrap_or(stage.device),
         mlflow: stage.mlflow.clone(),
         settings: stage.settings.clone(),
         data: dataset,

@@ -1,7 +1,8 @@
 //! Data parallelism across processes and machines, on libtorch's own c10d: a `TCPStore`
-//! for rendezvous and a `ProcessGroupGloo` for the collectives, as `torch.distributed` and
-//! DDP use them on CPU. tch binds none of c10d, so csrc/c10d/shim.cpp (compiled by build.rs)
-//! puts a C ABI over them; this module is its only caller and gives it a safe API.
+//! for rendezvous, a `ProcessGroupGloo` for the collectives on CPU tensors, and a
+//! `ProcessGroupNCCL` for those on CUDA tensors, as `torch.distributed` and DDP use them.
+//! tch binds none of c10d, so csrc/c10d/ (compiled by build.rs) puts a C ABI over them;
+//! this module is its only caller and gives it a safe API.
 //!
 //! A launcher says who is who through torchrun's environment ([`Launch::from_env`]):
 //! `pipeline run --nproc N` sets it for N local ranks, and `torchrun`, TorchDistributor, a
@@ -10,6 +11,7 @@
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::net::{ToSocketAddrs, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tch::{Kind, Tensor};
@@ -31,12 +33,29 @@ unsafe extern "C" {
         bind_host: *const c_char,
         out: *mut *mut c_void,
     ) -> *mut c_char;
-    fn lk_c10d_group_free(g: *mut c_void);
+    fn lk_c10d_group_free(g: *mut c_void, failed: c_int);
     fn lk_c10d_allreduce_sum(g: *mut c_void, t: *mut torch_sys::C_tensor) -> *mut c_char;
     fn lk_c10d_broadcast(g: *mut c_void, t: *mut torch_sys::C_tensor, root: c_int) -> *mut c_char;
     fn lk_c10d_store_set(g: *mut c_void, key: *const c_char) -> *mut c_char;
     fn lk_c10d_store_check(g: *mut c_void, key: *const c_char, present: *mut c_int) -> *mut c_char;
 }
+
+#[cfg(lakeml_nccl)]
+unsafe extern "C" {
+    fn lk_c10d_nccl_new(
+        gloo: *mut c_void,
+        prefix: *const c_char,
+        rank: c_int,
+        world: c_int,
+        timeout_ms: c_int,
+        device: c_int,
+        out: *mut *mut c_void,
+    ) -> *mut c_char;
+}
+
+/// Whether this build has the NCCL backend: build.rs compiles it where libtorch has CUDA
+/// and NCCL's and CUDA's headers are installed (scripts/env.sh installs them).
+pub(crate) const NCCL_BUILT: bool = cfg!(lakeml_nccl);
 
 /// The shim's error string, owned (and freed on the C side), or `None` for success.
 fn taken(err: *mut c_char) -> std::result::Result<(), String> {
@@ -61,6 +80,8 @@ fn c_string(what: &str, s: &str) -> Result<CString> {
 pub(crate) struct Launch {
     pub rank: usize,
     pub world: usize,
+    /// This rank among those on its machine (`LOCAL_RANK`): its GPU, with CUDA.
+    pub local_rank: usize,
     /// Ranks on this machine (`LOCAL_WORLD_SIZE`): they share its cores.
     pub local_world: usize,
     pub master_addr: String,
@@ -120,6 +141,10 @@ impl Launch {
             Some(n) => number("LOCAL_WORLD_SIZE", &n)?.max(1),
             None => 1,
         };
+        let local_rank = match var("LOCAL_RANK") {
+            Some(n) => number("LOCAL_RANK", &n)?,
+            None => 0,
+        };
         let agent_store = var("TORCHELASTIC_USE_AGENT_STORE")
             .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
         let attempt = var("TORCHELASTIC_RESTART_COUNT")
@@ -128,6 +153,7 @@ impl Launch {
         Ok(Some(Launch {
             rank,
             world,
+            local_rank,
             local_world,
             master_addr,
             master_port,
@@ -159,13 +185,21 @@ impl Launch {
     }
 }
 
-/// A joined process group: collectives over every rank, in place on tensors.
+/// A joined process group: collectives over every rank, in place on tensors. CPU tensors go
+/// through gloo; CUDA tensors through NCCL when the group has it (else gloo, which copies
+/// them through the host).
 pub(crate) struct Group {
     ptr: *mut c_void,
+    /// The NCCL process group on the same store, or null.
+    nccl: *mut c_void,
+    /// This rank's GPU, with NCCL.
+    pub device: Option<tch::Device>,
     pub rank: usize,
     pub world: usize,
     timeout: Duration,
     agent_store: bool,
+    /// A collective failed: leaving aborts instead of waiting for the others.
+    failed: AtomicBool,
 }
 
 // SAFETY: c10d process groups and stores are thread-safe; the trainer calls one collective
@@ -175,15 +209,23 @@ unsafe impl Sync for Group {}
 
 impl Drop for Group {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from lk_c10d_group_new and is freed once.
-        unsafe { lk_c10d_group_free(self.ptr) };
+        let failed = c_int::from(self.failed.load(Ordering::Relaxed));
+        // SAFETY: both came from the shim and are freed once, NCCL's first (it keeps its
+        // keys in gloo's store).
+        unsafe {
+            if !self.nccl.is_null() {
+                lk_c10d_group_free(self.nccl, failed);
+            }
+            lk_c10d_group_free(self.ptr, failed);
+        }
     }
 }
 
 impl Group {
     /// Joins the job `launch` describes, waiting up to `timeout` for every rank. Rank 0
-    /// hosts the store unless the launcher's agent does. Blocking.
-    pub(crate) fn join(launch: &Launch, timeout: Duration) -> Result<Group> {
+    /// hosts the store unless the launcher's agent does. With `nccl`, CUDA tensors go
+    /// through NCCL on the rank's GPU (`LOCAL_RANK` among the visible ones). Blocking.
+    pub(crate) fn join(launch: &Launch, timeout: Duration, nccl: bool) -> Result<Group> {
         let iface = std::env::var("GLOO_SOCKET_IFNAME").unwrap_or_default();
         let bind_host = if iface.is_empty() {
             launch.bind_host()?
@@ -245,19 +287,75 @@ impl Group {
                 launch.rank, launch.world
             ))
         })?;
-        Ok(Group {
+        let mut group = Group {
             ptr,
+            nccl: std::ptr::null_mut(),
+            device: None,
             rank: launch.rank,
             world: launch.world,
             timeout,
             agent_store: launch.agent_store,
-        })
+            failed: AtomicBool::new(false),
+        };
+        if nccl {
+            group.join_nccl(launch)?;
+        }
+        Ok(group)
+    }
+
+    /// Adds an NCCL process group, on the same store, for CUDA tensors. Training is always
+    /// seeded to be repeatable, so NCCL's NVLS algorithm, whose reductions are not, is left
+    /// out (`NCCL_ALGO=^NVLS`) unless NCCL_ALGO is set.
+    #[cfg(lakeml_nccl)]
+    fn join_nccl(&mut self, launch: &Launch) -> Result<()> {
+        let gpus = tch::Cuda::device_count().max(1) as usize;
+        let index = launch.local_rank % gpus;
+        let prefix = c_string("prefix", "nccl")?;
+        let timeout_ms = c_int::try_from(self.timeout.as_millis()).unwrap_or(c_int::MAX);
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `self.ptr` is a live group; valid pointers for the call.
+        let err = unsafe {
+            lk_c10d_nccl_new(
+                self.ptr,
+                prefix.as_ptr(),
+                self.rank as c_int,
+                self.world as c_int,
+                timeout_ms,
+                index as c_int,
+                &raw mut out,
+            )
+        };
+        taken(err).map_err(|e| {
+            Error::Model(format!(
+                "rank {} of {}: NCCL on cuda:{index} ({gpus} GPU(s) visible): {e}; check the                  GPUs (nvidia-smi), or use `distributed.backend: gloo`",
+                self.rank, self.world
+            ))
+        })?;
+        self.nccl = out;
+        self.device = Some(tch::Device::Cuda(index));
+        Ok(())
+    }
+
+    #[cfg(not(lakeml_nccl))]
+    fn join_nccl(&mut self, _: &Launch) -> Result<()> {
+        Err(Error::Internal(
+            "NCCL was asked of a build without it; the plan should have refused".into(),
+        ))
+    }
+
+    /// The process group for `t`'s device.
+    fn backend_for(&self, t: &Tensor) -> *mut c_void {
+        if !self.nccl.is_null() && t.device().is_cuda() {
+            self.nccl
+        } else {
+            self.ptr
+        }
     }
 
     /// Sums `t` (dense, contiguous) over every rank, in place.
     pub(crate) fn all_reduce_sum(&self, t: &mut Tensor, what: &str) -> Result<()> {
         // SAFETY: `t` is a live tensor; the shim does not keep the pointer.
-        let err = unsafe { lk_c10d_allreduce_sum(self.ptr, t.as_mut_ptr()) };
+        let err = unsafe { lk_c10d_allreduce_sum(self.backend_for(t), t.as_mut_ptr()) };
         taken(err).map_err(|e| self.failure("all-reduce", what, &e))
     }
 
@@ -271,7 +369,7 @@ impl Group {
     /// Gives every rank rank 0's values of `t`, in place.
     pub(crate) fn broadcast(&self, t: &mut Tensor, what: &str) -> Result<()> {
         // SAFETY: as in all_reduce_sum.
-        let err = unsafe { lk_c10d_broadcast(self.ptr, t.as_mut_ptr(), 0) };
+        let err = unsafe { lk_c10d_broadcast(self.backend_for(t), t.as_mut_ptr(), 0) };
         taken(err).map_err(|e| self.failure("broadcast", what, &e))
     }
 
@@ -354,6 +452,7 @@ impl Group {
     /// The error for a failed collective, naming the ranks that are gone: survivors mark
     /// themselves in the store and give the others a few seconds to do the same.
     fn failure(&self, op: &str, what: &str, cause: &str) -> Error {
+        self.failed.store(true, Ordering::Relaxed);
         let diagnosis = self.lost_ranks();
         Error::Model(format!(
             "the {op} of {what} across {} ranks failed on rank {}: {diagnosis} ({cause})",
@@ -445,6 +544,7 @@ mod tests {
         let launch = Launch::from_vars(vars(&[
             ("RANK", "1"),
             ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
             ("LOCAL_WORLD_SIZE", "2"),
             ("MASTER_ADDR", "10.0.0.5"),
             ("MASTER_PORT", "29500"),
@@ -456,6 +556,7 @@ mod tests {
             Some(Launch {
                 rank: 1,
                 world: 4,
+                local_rank: 1,
                 local_world: 2,
                 master_addr: "10.0.0.5".into(),
                 master_port: 29500,

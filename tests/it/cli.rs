@@ -164,6 +164,12 @@ fn info_reports_the_linked_libtorch_which_is_the_pinned_version() {
     // tch 0.24 binds libtorch 2.11.0 exactly (Cargo.toml, scripts/env.sh).
     assert!(text.contains("libtorch 2.11.0"), "{text}");
     assert!(text.contains("torch intra-op threads: "), "{text}");
+    // The torch venv has NCCL's and CUDA's headers (scripts/env.sh), so the build compiled
+    // NCCL's half of the c10d shim.
+    assert!(
+        text.contains("data parallelism (c10d): gloo (CPU), nccl (CUDA)"),
+        "{text}"
+    );
 }
 
 #[test]
