@@ -59,6 +59,9 @@ pub(crate) struct LoopState {
     /// saved: a benchmark's figure, not the run's).
     #[serde(skip)]
     pub all_reduce_seconds: f64,
+    /// Bytes those all-reduces carried, each rank's share (not saved either).
+    #[serde(skip)]
+    pub all_reduce_bytes: f64,
 }
 
 fn one() -> usize {

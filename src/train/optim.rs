@@ -38,6 +38,45 @@ pub(crate) struct AdamW {
     pub(crate) steps: u64,
 }
 
+/// The rows of the word-embedding matrix that this step's batches looked up. An
+/// embedding's backward pass writes only the rows its ids select, so every other row's
+/// gradient is exactly zero on every rank, and averaging just the looked-up rows gives the
+/// dense average bit for bit. For MiniLM that halves what the all-reduce sends: the matrix
+/// is 11.7M of its 22.7M parameters, and a step of 32 reviews looks up about a thousand rows.
+pub(crate) struct LookedUp {
+    /// Where the matrix starts in the flat buffer, and its shape.
+    offset: i64,
+    rows: i64,
+    width: i64,
+    /// `[rows]`: 1 where a batch of this step looked the row up, on this rank.
+    mask: Tensor,
+}
+
+impl LookedUp {
+    /// Marks the rows `ids` (token ids, any shape) look up.
+    pub(crate) fn mark(&mut self, ids: &Tensor) {
+        let ids = ids.reshape([-1]).to_device(self.mask.device());
+        let _ = self.mask.index_fill_(0, &ids, 1.0);
+    }
+}
+
+/// `all_reduce` over `part` (a view into the gradient buffer) in fp32, in place.
+fn reduce_wide(
+    part: &Tensor,
+    all_reduce: &mut impl FnMut(&mut Tensor) -> Result<()>,
+) -> Result<()> {
+    if part.numel() == 0 {
+        return Ok(());
+    }
+    if part.kind() == Kind::Float {
+        return all_reduce(&mut part.shallow_clone());
+    }
+    let mut wide = part.to_kind(Kind::Float);
+    all_reduce(&mut wide)?;
+    tch::no_grad(|| part.shallow_clone().copy_(&wide));
+    Ok(())
+}
+
 /// HF's rule: no weight decay on biases and LayerNorm weights.
 fn decays(name: &str) -> bool {
     !(name.ends_with(".bias") || name.contains("LayerNorm") || name.contains("layer_norm"))
@@ -191,22 +230,62 @@ impl AdamW {
         broadcast(&mut self.v)
     }
 
-    /// Averages the accumulated gradients across ranks with `all_reduce` (in place), as one
-    /// flat fp32 buffer: bf16 gradients are widened first and rounded once after.
+    /// The word-embedding matrix, the parameter whose name ends with `name`, to be reduced
+    /// by the rows the step looked up (see [`LookedUp`]); `None` when the model has none.
+    pub(crate) fn looked_up(&self, name: &str) -> Option<LookedUp> {
+        let mut offset = 0;
+        for (n, p) in &self.params {
+            let size = p.size();
+            if n.ends_with(name) && size.len() == 2 {
+                let mask = Tensor::zeros([size[0]], (Kind::Float, p.device()));
+                return Some(LookedUp {
+                    offset,
+                    rows: size[0],
+                    width: size[1],
+                    mask,
+                });
+            }
+            offset += p.numel() as i64;
+        }
+        None
+    }
+
+    /// Averages the accumulated gradients across ranks with `all_reduce` (in place), in
+    /// fp32: bf16 gradients are widened first and rounded once after. The flat buffer goes
+    /// as it is, except for the word embeddings when `looked_up` is given: of those, only
+    /// the rows some rank's batches looked up. Returns how many floats it reduced.
     pub(crate) fn reduce_grads(
         &mut self,
-        all_reduce: impl FnOnce(&mut Tensor) -> Result<()>,
-    ) -> Result<()> {
+        looked_up: Option<&mut LookedUp>,
+        mut all_reduce: impl FnMut(&mut Tensor) -> Result<()>,
+    ) -> Result<i64> {
         if !self.grads_bound {
             self.bind_grads()?;
         }
-        if self.flat_grad.kind() == Kind::Float {
-            return all_reduce(&mut self.flat_grad);
+        let total = self.flat_grad.numel() as i64;
+        let Some(lu) = looked_up else {
+            reduce_wide(&self.flat_grad, &mut all_reduce)?;
+            return Ok(total);
+        };
+        // The rows any rank looked up: an average of 0/1 flags is not 0 where one did.
+        all_reduce(&mut lu.mask)?;
+        let rows = lu.mask.nonzero().view([-1]);
+        let _ = lu.mask.zero_();
+        let end = lu.offset + lu.rows * lu.width;
+        reduce_wide(&self.flat_grad.narrow(0, 0, lu.offset), &mut all_reduce)?;
+        reduce_wide(&self.flat_grad.narrow(0, end, total - end), &mut all_reduce)?;
+        let picked = rows.numel() as i64;
+        if picked > 0 {
+            let mut matrix = self
+                .flat_grad
+                .narrow(0, lu.offset, lu.rows * lu.width)
+                .view([lu.rows, lu.width]);
+            let kind = matrix.kind();
+            let mut wide = matrix.index_select(0, &rows).to_kind(Kind::Float);
+            all_reduce(&mut wide)?;
+            let _ = tch::no_grad(|| matrix.index_copy_(0, &rows, &wide.to_kind(kind)));
         }
-        let mut wide = self.flat_grad.to_kind(Kind::Float);
-        all_reduce(&mut wide)?;
-        tch::no_grad(|| self.flat_grad.copy_(&wide));
-        Ok(())
+        Ok(total - (lu.rows - picked) * lu.width + lu.rows)
     }
 
     /// Optimizer state for a checkpoint: fp32 weights, both moments.

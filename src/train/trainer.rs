@@ -13,7 +13,7 @@ use super::data::{Dataset, Split};
 use super::dist::Group;
 use super::loader::{self, Batch, Order, Prefetch};
 use super::metrics::{self, Metrics};
-use super::optim::{self, AdamW, AdamWConfig};
+use super::optim::{self, AdamW, AdamWConfig, LookedUp};
 use super::{Every, TrainSettings};
 use crate::config::{Precision, SaveWhich};
 use crate::error::{Error, Result};
@@ -56,6 +56,10 @@ impl Job {
         self.group.as_ref().map_or((0, 1), |g| (g.rank, g.world))
     }
 }
+
+/// The token-embedding matrix of every architecture (`embeddings.word_embeddings` in HF's
+/// BERT, RoBERTa, DistilBERT and DeBERTa-v2 alike).
+const WORD_EMBEDDINGS: &str = "embeddings.word_embeddings.weight";
 
 /// The seed of micro-batch `n`: dropout masks depend only on (seed, n), so a resumed run
 /// draws exactly the masks the uninterrupted run would have.
@@ -266,6 +270,11 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         tracker.params(&params)?;
     }
 
+    // Ranks reduce only the word-embedding rows their batches looked up.
+    let looked_up = job
+        .group
+        .as_ref()
+        .and_then(|_| opt.looked_up(WORD_EMBEDDINGS));
     let result = Loop {
         job: &job,
         model: &mut model,
@@ -282,6 +291,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         bar: bar(job.progress && job.writes(), total_steps),
         window: Window::new(job.device),
         stopped: false,
+        looked_up,
     }
     .run(&train);
     let stopped_early = match result {
@@ -331,6 +341,10 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
             "all_reduce_ms_per_step".into(),
             1e3 * state.all_reduce_seconds / steps as f64,
         );
+        outcome_metrics.insert(
+            "all_reduce_mb_per_step".into(),
+            state.all_reduce_bytes / 1e6 / steps as f64,
+        );
     }
     outcome_metrics.insert("train_seconds".into(), state.train_seconds);
     outcome_metrics.insert("samples_per_second".into(), state.samples as f64 / secs);
@@ -375,6 +389,8 @@ struct Loop<'a> {
     window: Window,
     /// Early stopping has spoken.
     stopped: bool,
+    /// The word-embedding rows this step looked up, with data parallelism.
+    looked_up: Option<LookedUp>,
 }
 
 impl Loop<'_> {
@@ -483,6 +499,9 @@ impl Loop<'_> {
             // nothing to the sum the all-reduce averages.
             return Tensor::zeros([], (Kind::Float, device));
         }
+        if let Some(looked_up) = &mut self.looked_up {
+            looked_up.mark(&batch.input_ids);
+        }
         let logits = self.model.net.forward_t(
             &batch.input_ids.to_device(device),
             &batch.attention_mask.to_device(device),
@@ -507,9 +526,11 @@ impl Loop<'_> {
         if let Some(g) = &self.job.group {
             // Clipping and the step then see the same gradients on every rank.
             let started = Instant::now();
-            self.opt
-                .reduce_grads(|t| g.all_reduce_mean(t, "the gradients"))?;
+            let floats = self.opt.reduce_grads(self.looked_up.as_mut(), |t| {
+                g.all_reduce_mean(t, "the gradients")
+            })?;
             self.state.all_reduce_seconds += started.elapsed().as_secs_f64();
+            self.state.all_reduce_bytes += 4.0 * floats as f64;
         }
         let norm = self.opt.grad_norm()?;
         if !norm.is_finite() {

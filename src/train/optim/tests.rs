@@ -214,3 +214,79 @@ fn the_gradient_norm_is_the_fp64_norm_of_either_kind() {
         0.0
     );
 }
+
+/// Two ranks (threads joined over 127.0.0.1 through libtorch's c10d) whose batches look up
+/// different embedding rows: reducing the looked-up rows only gives every rank the dense
+/// average of the whole gradient buffer, bit for bit.
+#[test]
+fn looked_up_rows_reduce_to_the_dense_average() {
+    use crate::train::{Group, Launch};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let spawn_rank = move |rank: usize, ids: Vec<i64>| {
+        std::thread::spawn(move || {
+            let launch = Launch {
+                rank,
+                world: 2,
+                local_rank: rank,
+                local_world: 2,
+                master_addr: "127.0.0.1".into(),
+                master_port: port,
+                agent_store: false,
+                attempt: 0,
+            };
+            let group =
+                Group::join(&launch, std::time::Duration::from_secs(30), false).expect("join");
+            let vs = nn::VarStore::new(Device::Cpu);
+            let root = vs.root();
+            let embeddings = &root / "embeddings" / "word_embeddings";
+            let table: Vec<f32> = (0..40).map(|i| (i as f32 * 0.37).sin()).collect();
+            let mut e = embeddings.zeros("weight", &[10, 4]);
+            tch::no_grad(|| e.copy_(&Tensor::from_slice(&table).view([10, 4])));
+            let mut w = (&root / "dense").zeros("weight", &[4, 3]);
+            tch::no_grad(|| w.copy_(&Tensor::from_slice(&table[..12]).view([4, 3])));
+            let _ = (&root / "dense").zeros("bias", &[3]);
+            let cfg = AdamWConfig {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            };
+            let mut opt = AdamW::new(&vs, cfg, Kind::Float).expect("optimizer");
+            let vars = vs.variables();
+            let ids = Tensor::from_slice(&ids);
+            let hidden = vars["embeddings.word_embeddings.weight"].index_select(0, &ids);
+            let out = hidden.matmul(&vars["dense.weight"]) + &vars["dense.bias"];
+            (out.pow_tensor_scalar(2).sum(Kind::Float) * (rank as f64 + 1.0)).backward();
+            opt.bind_grads().expect("bind");
+            let local = opt.flat_grad.copy();
+            let mut looked_up = opt
+                .looked_up("embeddings.word_embeddings.weight")
+                .expect("the embedding matrix");
+            assert_eq!(
+                (looked_up.offset, looked_up.rows, looked_up.width),
+                (12, 10, 4)
+            );
+            looked_up.mark(&ids);
+            let floats = opt
+                .reduce_grads(Some(&mut looked_up), |t| {
+                    group.all_reduce_mean(t, "the test's gradients")
+                })
+                .expect("reduce");
+            (local, opt.flat_grad.copy(), floats)
+        })
+    };
+    let zero = spawn_rank(0, vec![1, 2, 2]);
+    let one = spawn_rank(1, vec![2, 7]);
+    let (l0, g0, n0) = zero.join().expect("rank 0");
+    let (l1, g1, n1) = one.join().expect("rank 1");
+    let dense = (&l0 + &l1) / 2.0;
+    for (r, got) in [(0, &g0), (1, &g1)] {
+        let diff = (got - &dense).abs().max().double_value(&[]);
+        assert_eq!(diff, 0.0, "rank {r}: {got:?} against {dense:?}");
+    }
+    // Rows 1, 2 and 7 of the 10 went, with the 12 + 3 dense floats and the 10 flags.
+    assert_eq!((n0, n1), (12 + 3 * 4 + 3 + 10, 12 + 3 * 4 + 3 + 10));
+}
