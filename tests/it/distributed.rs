@@ -1,9 +1,9 @@
 //! Data-parallel training on libtorch's c10d (gloo, 127.0.0.1): N ranks × batch B train the
 //! weights one process trains with batch N·B; `--nproc` and torchrun (a real launcher, with
 //! its agent store) give bitwise the same model; a rank killed with -9 stops the others
-//! with a message naming it, and the rerun resumes to the uninterrupted run's weights; bad
-//! launches fail before anything is written; Spark barrier tasks (lakeml_spark.train) train
-//! what `--nproc` trains.
+//! with a message naming it, the rerun resumes to the uninterrupted run's weights, and one
+//! process resumes the same checkpoint too; bad launches fail before anything is written;
+//! Spark barrier tasks (lakeml_spark.train) train what `--nproc` trains.
 
 use std::ffi::OsStr;
 use std::net::TcpListener;
@@ -226,6 +226,22 @@ fn a_killed_rank_stops_the_other_and_the_rerun_resumes_to_the_same_weights() {
         !cut.path().join("run/model/model.safetensors").exists(),
         "killed before the end, yet a model directory looks complete"
     );
+
+    // The same checkpoint, resumed by one process: another number of ranks goes on from it
+    // (its global batch is then 16 rows, so its weights are its own). The cut run directory
+    // is kept aside for the 2-rank resume below.
+    let (run, kept) = (cut.path().join("run"), cut.path().join("run-cut"));
+    let copied = Command::new("cp").arg("-a").arg(&run).arg(&kept).status();
+    assert!(copied.is_ok_and(|s| s.success()), "copying the cut run");
+    let report = train_report(&cut.run_ok(&["p.yaml"]));
+    assert_eq!(report["metrics"]["world"], 1.0, "{report}");
+    assert_eq!(report["metrics"]["steps"], 24.0, "{report}");
+    assert!(
+        report["resumed_from"].as_u64().unwrap_or_default() >= 12,
+        "{report}"
+    );
+    std::fs::remove_dir_all(&run).expect("remove the 1-process run");
+    std::fs::rename(&kept, &run).expect("put the cut run back");
 
     let reports = cut.run_ok(&["p.yaml", "--nproc", "2"]);
     let report = train_report(&reports);
