@@ -94,7 +94,8 @@ fn embedding(
     let dims = p.dims.unwrap_or(width);
     if dims == 0 || dims > width {
         return Err(format!(
-            "{f}.dims: {dims} is out of range; the model's vectors have {width} values, so              give 1..={width}"
+            "{f}.dims: {dims} is out of range; the model's vectors have {width} values, so \
+             give 1..={width}"
         ));
     }
     Ok(Embedding {

@@ -327,7 +327,8 @@ impl Group {
         };
         taken(err).map_err(|e| {
             Error::Model(format!(
-                "rank {} of {}: NCCL on cuda:{index} ({gpus} GPU(s) visible): {e}; check the                  GPUs (nvidia-smi), or use `distributed.backend: gloo`",
+                "rank {} of {}: NCCL on cuda:{index} ({gpus} GPU(s) visible): {e}; check the \
+                 GPUs (nvidia-smi), or use `distributed.backend: gloo`",
                 self.rank, self.world
             ))
         })?;
