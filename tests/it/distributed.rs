@@ -331,44 +331,34 @@ fn spark_barrier_tasks_and_torch_distributor_train_what_nproc_trains() {
     let nproc = scratch(16, settings);
     nproc.run_ok(&["p.yaml", "--nproc", "2"]);
 
-    let spark = scratch(16, settings);
-    let (got, stderr) = Job::spawn_with(
-        &spark,
-        &test_script("spark_train.py"),
-        &["p.yaml"],
-        "train",
-        &[(
-            "LAKEML_PIPELINE",
-            OsStr::new(env!("CARGO_BIN_EXE_pipeline")),
-        )],
-    )
-    .finish("spark_train.py");
+    // One Spark job on a fresh copy of the data: its JSON, its stderr, and how its model
+    // compares with the `--nproc` run's.
+    let spark_job = |script: &str, tag: &str| {
+        let s = scratch(16, settings);
+        let binary = OsStr::new(env!("CARGO_BIN_EXE_pipeline"));
+        let (got, stderr) = Job::spawn_with(
+            &s,
+            &test_script(script),
+            &["p.yaml"],
+            tag,
+            &[("LAKEML_PIPELINE", binary)],
+        )
+        .finish(script);
+        let cmp = python("compare_weights.py", &[&weights(&nproc), &weights(&s)]);
+        (got, stderr, cmp)
+    };
+
+    let (got, stderr, cmp) = spark_job("spark_train.py", "train");
     let report = &got["train"];
     assert_eq!(report["metrics"]["world"], 2.0, "{got}\n{stderr}");
     assert_eq!(report["metrics"]["steps"], 6.0, "{got}\n{stderr}");
-    let cmp = python("compare_weights.py", &[&weights(&nproc), &weights(&spark)]);
     assert_eq!(cmp["names_equal"], true, "{cmp}");
     assert_eq!(cmp["max_abs_diff"], 0.0, "Spark against --nproc: {cmp}");
 
     // PySpark's TorchDistributor (local mode: torchrun on the driver) through the two-line
     // script the docs show.
-    let distributor = scratch(16, settings);
-    let (got, stderr) = Job::spawn_with(
-        &distributor,
-        &test_script("spark_torch_distributor.py"),
-        &["p.yaml"],
-        "distributor",
-        &[(
-            "LAKEML_PIPELINE",
-            OsStr::new(env!("CARGO_BIN_EXE_pipeline")),
-        )],
-    )
-    .finish("spark_torch_distributor.py");
+    let (got, stderr, cmp) = spark_job("spark_torch_distributor.py", "distributor");
     assert_eq!(got["done"], true, "{got}\n{stderr}");
-    let cmp = python(
-        "compare_weights.py",
-        &[&weights(&nproc), &weights(&distributor)],
-    );
     assert_eq!(
         cmp["max_abs_diff"], 0.0,
         "TorchDistributor against --nproc: {cmp}"
