@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// Set by scripts/test.sh (scripts/env.sh); the tests need the real assets and peers.
 pub fn env_path(name: &str) -> PathBuf {
@@ -27,6 +29,64 @@ pub fn tokenize_yaml(source: &str, extra: &str) -> String {
          stages:\n  - tokenize:\n      from: src\n      tokenizer: {}\n      to: out\n{extra}",
         minilm().display()
     )
+}
+
+/// Cargo's path of the binary it built (`target/release/pipeline`): to copy or look at, never
+/// to run, since the wheel build removes it for a while (see [`pipeline_bin`]).
+pub const CARGO_BUILT_BINARY: &str = env!("CARGO_BIN_EXE_pipeline");
+
+/// The `pipeline` binary every test runs: a private copy of the one cargo built, made once
+/// per test process under `target/tmp/pipeline-under-test/PID/`.
+///
+/// Cargo's own path (`CARGO_BIN_EXE_pipeline`, `target/release/pipeline`) is not safe to
+/// exec while the suite runs: the wheel test's maturin build re-links it, and for about
+/// 2.5 s it does not exist, so a test beside it failed with `NotFound` by chance. Nothing
+/// but this function knows the copy's path, so no build step can take it away. The wheel
+/// test calls this before it builds; a copy made while cargo's file is briefly missing
+/// (another build in another terminal) waits for it to come back, at most 60 s.
+pub fn pipeline_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pipeline-under-test");
+        prune_dead_copies(&root);
+        let dir = root.join(std::process::id().to_string());
+        std::fs::create_dir_all(&dir).expect("mkdir for the binary under test");
+        let copy = dir.join("pipeline");
+        let built = Path::new(CARGO_BUILT_BINARY);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match std::fs::copy(built, &copy) {
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => panic!("copying {} to {}: {e}", built.display(), copy.display()),
+            }
+        }
+        copy
+    })
+}
+
+/// Removes the copies of test processes that have ended (each is ~the binary's size).
+fn prune_dead_copies(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let alive = name
+            .to_str()
+            .and_then(|pid| pid.parse::<u32>().ok())
+            .is_some_and(|pid| Path::new("/proc").join(pid.to_string()).exists());
+        if !alive {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// A `Command` for [`pipeline_bin`].
+pub fn pipeline_command() -> Command {
+    Command::new(pipeline_bin())
 }
 
 pub fn repo() -> PathBuf {
@@ -60,7 +120,7 @@ impl Scratch {
 
     /// Runs `pipeline ARGS` in the scratch directory.
     pub fn pipeline(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        pipeline_command()
             .args(args)
             .current_dir(self.path())
             .output()
@@ -163,7 +223,7 @@ pub fn ingest(s: &Scratch, rows: usize) {
 
 /// `pipeline run -q FILE` in the scratch directory with `env` set; it must succeed.
 pub fn run_quiet(s: &Scratch, file: &str, env: &[(&str, String)]) {
-    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let out = pipeline_command()
         .args(["run", "-q", file])
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .current_dir(s.path())

@@ -5,12 +5,11 @@
 //! process resumes the same checkpoint too; bad launches fail before anything is written;
 //! Spark barrier tasks (lakeml_spark.train) train what `--nproc` trains.
 
-use std::ffi::OsStr;
 use std::net::TcpListener;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{Scratch, assets, env_path, minilm, python};
+use crate::common::{Scratch, assets, env_path, minilm, pipeline_bin, pipeline_command, python};
 use crate::spark::{Job, test_script};
 
 /// MiniLM with dropout off: N ranks draw other dropout masks than one process does (masks
@@ -94,7 +93,7 @@ fn train_report(reports: &[serde_json::Value]) -> serde_json::Value {
 
 /// `pipeline run -q p.yaml` as rank `rank` of `world`, by torchrun's environment.
 fn rank(s: &Scratch, file: &str, rank: usize, world: usize, port: u16) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    pipeline_command()
         .args(["run", "-q", file])
         .current_dir(s.path())
         .env("RANK", rank.to_string())
@@ -154,13 +153,9 @@ fn two_ranks_train_what_one_process_trains_with_the_global_batch() {
             "--nproc_per_node",
             "2",
         ])
-        .args([
-            "--no-python",
-            env!("CARGO_BIN_EXE_pipeline"),
-            "run",
-            "-q",
-            "p.yaml",
-        ])
+        .arg("--no-python")
+        .arg(pipeline_bin())
+        .args(["run", "-q", "p.yaml"])
         .current_dir(torchrun.path())
         .output()
         .expect("torchrun");
@@ -335,7 +330,7 @@ fn spark_barrier_tasks_and_torch_distributor_train_what_nproc_trains() {
     // compares with the `--nproc` run's.
     let spark_job = |script: &str, tag: &str| {
         let s = scratch(16, settings);
-        let binary = OsStr::new(env!("CARGO_BIN_EXE_pipeline"));
+        let binary = pipeline_bin().as_os_str();
         let (got, stderr) = Job::spawn_with(
             &s,
             &test_script(script),

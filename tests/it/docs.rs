@@ -18,7 +18,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::common::{Scratch, assets, minilm, repo};
+use crate::common::{Scratch, assets, minilm, pipeline_command, repo};
 
 /// What the line before a fence says about its snippet.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,7 +124,7 @@ fn blocks(path: &Path) -> Vec<Block> {
 
 /// A `pipeline` with the scratch directory's environment.
 fn pipeline(root: &Path, dir: &Path, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    pipeline_command()
         .args(args)
         .current_dir(dir)
         .env("HOME", root.join("home"))
@@ -230,7 +230,7 @@ fn scratch() -> Scratch {
          FROM raw WHERE category IN ('fresh', 'rotten')\n",
     );
     // A users file with a real argon2 hash, made by the binary.
-    let mut hasher = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let mut hasher = pipeline_command()
         .arg("hash-password")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -380,7 +380,7 @@ fn yaml_snippets_are_valid_pipeline_files() {
 
 /// The subcommands `pipeline --help` lists.
 fn subcommands() -> BTreeSet<String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let out = pipeline_command()
         .arg("--help")
         .output()
         .expect("run pipeline --help");

@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, python, run_quiet};
+use crate::common::{
+    INGEST, Scratch, ingest, ingest_yaml, make_model_with, pipeline_command, python, run_quiet,
+};
 
 /// `pipeline schedule FILE` in the background, in a process group of its own with its runs,
 /// its stderr (the decision log) in a file.
@@ -32,7 +34,7 @@ impl Scheduler {
     ) -> Self {
         let log = s.path().join(log_name);
         let err = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        let child = pipeline_command()
             .args(["schedule", file])
             .envs(env.iter().copied())
             .current_dir(s.path())

@@ -4,10 +4,12 @@
 //! input is refused clearly.
 
 use std::collections::HashSet;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
-use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, minilm, python};
+use crate::common::{
+    INGEST, Scratch, ingest, ingest_yaml, make_model_with, minilm, pipeline_command, python,
+};
 
 /// The predict pipeline over `reviews` (see [`predict_yaml`]).
 const PREDICT: &str = "predict.yaml";
@@ -214,7 +216,7 @@ fn overwrite_replaces_the_table_when_the_model_changes_and_only_then() {
 }
 
 fn spawn_predict(s: &Scratch) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    pipeline_command()
         .args(["run", "-q", PREDICT])
         .current_dir(s.path())
         .stdout(Stdio::null())

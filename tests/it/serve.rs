@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with, python};
+use crate::common::{
+    INGEST, Scratch, ingest, ingest_yaml, make_model_with, pipeline_command, python,
+};
 use crate::serving::{
     LABELS, PREDICT, PREDICT_YAML, Server, TOKEN, assert_same_predictions, predictions,
 };
@@ -54,7 +56,7 @@ tables:
 
 /// `pipeline hash-password`, the password on stdin; returns the PHC string it prints.
 fn hash_password(s: &Scratch, password: &str) -> String {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let mut child = pipeline_command()
         .arg("hash-password")
         .current_dir(s.path())
         .stdin(Stdio::piped())
@@ -620,7 +622,7 @@ fn sigterm_lets_a_long_query_finish_then_exits_zero() {
 /// Runs `pipeline serve FILE`, which must refuse to start; returns its exit code and
 /// stderr (paths as in snapshots). A server that starts anyway is killed after 60 s.
 fn serve_refused(s: &Scratch, file: &str) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let mut child = pipeline_command()
         .args(["serve", file])
         .env("LAKEML_TOKEN", TOKEN)
         .current_dir(s.path())

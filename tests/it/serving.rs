@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::common::{Scratch, python};
+use crate::common::{Scratch, pipeline_command, python};
 
 /// The static Bearer token, given to the server as `LAKEML_TOKEN`.
 pub const TOKEN: &str = "lakeml-serve-test-token";
@@ -96,7 +96,7 @@ impl Server {
     /// Starts `pipeline serve FILE` in the scratch directory (with `LAKEML_TOKEN` set) and
     /// waits for its `listening on grpc://...` line, at most 120 s.
     pub fn start(s: &Scratch, file: &str) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        let mut child = pipeline_command()
             .args(["serve", file])
             .env("LAKEML_TOKEN", TOKEN)
             .current_dir(s.path())

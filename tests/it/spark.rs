@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::common::{
-    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, minilm, python, repo,
+    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, minilm, pipeline_bin,
+    pipeline_command, python, repo,
 };
 use crate::serving::{
     LABELS, PREDICT, PREDICT_YAML, Server, TOKEN, assert_same_predictions, delta_id_label_score,
@@ -375,10 +376,7 @@ fn without_endpoints_each_executor_runs_one_worker_that_survives_a_kill_and_stop
         "local",
         &[
             ("TMPDIR", tmp.as_os_str()),
-            (
-                "LAKEML_PIPELINE",
-                std::ffi::OsStr::new(env!("CARGO_BIN_EXE_pipeline")),
-            ),
+            ("LAKEML_PIPELINE", pipeline_bin().as_os_str()),
         ],
     )
     .finish("spark_local_worker.py");
@@ -710,7 +708,7 @@ fn the_data_source_reads_a_split_query_and_tables_after_an_overwrite() {
     // a Flight endpoint.
     s.write("multi.yaml", MULTI_YAML);
     for part in 0..3 {
-        let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        let out = pipeline_command()
             .args(["run", "-q", "multi.yaml"])
             .env("PART", part.to_string())
             .current_dir(s.path())

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, minilm, repo,
+    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, minilm, pipeline_command, repo,
 };
 use crate::mlflow_server::free_port;
 
@@ -107,7 +107,7 @@ pub(crate) fn store_py(kind: &str, server: &Server, args: &[&str]) -> serde_json
 
 /// `pipeline ARGS` in the scratch directory with `env` set.
 pub(crate) fn pipeline(s: &Scratch, args: &[&str], env: &[(&str, &str)]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    pipeline_command()
         .args(args)
         .envs(env.iter().copied())
         .env("LAKEML_CACHE", s.path().join("cache"))
@@ -297,7 +297,7 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
         ),
     );
     let spawn = || {
-        Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        pipeline_command()
             .args(["run", "--quiet", "race.yaml"])
             .envs(env)
             .current_dir(s.path())
@@ -335,7 +335,7 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
     run_json(&s, "killed.yaml", &env);
     copy_reviews(&s, &storage, "s3://lake/kreviews", ROWS);
     for delay_ms in [200, 700, 1500, 3000] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        let mut child = pipeline_command()
             .args(["run", "--quiet", "killed.yaml"])
             .envs(env)
             .current_dir(s.path())
@@ -532,7 +532,7 @@ fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
         &train_chain(&storage, "s3://lake", "s3://lake/run", settings),
     );
     let machine = |name: &str| s.path().join(name);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let mut child = pipeline_command()
         .args(["run", "--quiet", "s3.yaml"])
         .envs(env)
         .env("LAKEML_CACHE", machine("a"))
@@ -566,7 +566,7 @@ fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
     // Machine B, with an empty cache, resumes from the store and ends with the weights of the
     // uninterrupted run, bit for bit; its predictions equal the local ones.
     let b = |file: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        let out = pipeline_command()
             .args(["run", "--json", "--quiet", file])
             .envs(env)
             .env("LAKEML_CACHE", machine("b"))
@@ -612,7 +612,7 @@ fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
 
     // Machine C finds the training done in the store (it fetches the model for the stage
     // after it), and a pipeline that only predicts reads the stamped model from S3.
-    let out = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let out = pipeline_command()
         .args(["run", "--json", "--quiet", "s3.yaml"])
         .envs(env)
         .env("LAKEML_CACHE", machine("c"))

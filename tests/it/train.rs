@@ -2,10 +2,9 @@
 //! loads in `transformers` and scores the test split as lakeml reported, a killed run
 //! resumes to the weights an uninterrupted one ends with, and bad input is refused clearly.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::common::{Scratch, assets, minilm, python, repo};
+use crate::common::{Scratch, assets, minilm, pipeline_command, python, repo};
 
 /// A pipeline: `rows` real reviews → `reviews` → tokenized (MiniLM, max_length 64) → one
 /// train stage with `settings` (lines indented by six spaces), writing into `run/`.
@@ -163,7 +162,7 @@ fn a_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_run() {
 
     let cut = Scratch::new();
     cut.write("p.yaml", &minilm_yaml(240, settings));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pipeline"))
+    let mut child = pipeline_command()
         .args(["run", "-q", "p.yaml"])
         .current_dir(cut.path())
         .stdout(std::process::Stdio::null())

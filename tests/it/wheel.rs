@@ -11,25 +11,97 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::common::{env_path, python, repo};
+use crate::common::{CARGO_BUILT_BINARY, env_path, pipeline_bin, python, repo};
 use crate::serving::{PREDICT, assert_same_predictions, predictions};
 use crate::spark::{Job, path, setup, test_script};
 
+/// The one wheel build of a test process, watched: while scripts/wheel.sh runs, a thread
+/// runs the binary under test (`pipeline --version`) again and again, and looks at cargo's
+/// own path, which the build takes away for a while.
+struct WheelBuild {
+    wheel: PathBuf,
+    /// `pipeline --version` runs of the binary under test during the build.
+    runs: usize,
+    /// The runs that failed, with why.
+    failures: Vec<String>,
+    /// How many of those times cargo's `target/release/pipeline` was missing.
+    missing: usize,
+}
+
+/// Builds the wheel once for both wheel tests (whichever comes first builds it).
+fn wheel_build() -> &'static WheelBuild {
+    static BUILD: OnceLock<WheelBuild> = OnceLock::new();
+    BUILD.get_or_init(|| {
+        // The private copy exists before maturin can touch cargo's file.
+        let binary = pipeline_bin();
+        let done = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let watcher = scope.spawn(|| watch(binary, &done));
+            let wheel = {
+                // Stops the watcher even when the build panics, or the scope would wait forever.
+                struct Stop<'a>(&'a AtomicBool);
+                impl Drop for Stop<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(true, Ordering::Relaxed);
+                    }
+                }
+                let _stop = Stop(&done);
+                build_wheel()
+            };
+            let (runs, failures, missing) = watcher.join().expect("the watcher thread");
+            WheelBuild {
+                wheel,
+                runs,
+                failures,
+                missing,
+            }
+        })
+    })
+}
+
+/// Until `done`: runs `binary --version` and looks for cargo's binary, every 20 ms.
+fn watch(binary: &Path, done: &AtomicBool) -> (usize, Vec<String>, usize) {
+    let (mut runs, mut failures, mut missing) = (0, Vec::new(), 0);
+    while !done.load(Ordering::Relaxed) {
+        missing += usize::from(!Path::new(CARGO_BUILT_BINARY).exists());
+        runs += 1;
+        match Command::new(binary)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .output()
+        {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => failures.push(format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )),
+            Err(e) => failures.push(e.to_string()),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (runs, failures, missing)
+}
+
 /// Builds the wheel with scripts/wheel.sh; returns its path. It runs with the environment
 /// scripts/test.sh gave `cargo test`, not with the variables cargo sets for a test process
-/// (`CARGO_*`, `OUT_DIR`, a longer `LD_LIBRARY_PATH`): inherited by maturin's cargo, they
-/// change dependencies' fingerprints (ring's build script watches CARGO_MANIFEST_DIR), and
-/// the whole stack would compile again, twice.
+/// (`CARGO_*`, `OUT_DIR`, a longer `LD_LIBRARY_PATH`) nor the `RUSTC_BOOTSTRAP` that
+/// scripts/test.sh sets for test processes alone: inherited by maturin's cargo, they change
+/// fingerprints (ring's build script watches CARGO_MANIFEST_DIR), and the whole stack would
+/// compile again, twice.
 fn build_wheel() -> PathBuf {
     let cargo_set = |name: &str| {
         (name.starts_with("CARGO_") && name != "CARGO_HOME" && name != "CARGO_TARGET_DIR")
             || matches!(
                 name,
-                "CARGO" | "OUT_DIR" | "LD_LIBRARY_PATH" | "RUST_TEST_THREADS"
+                "CARGO" | "OUT_DIR" | "LD_LIBRARY_PATH" | "RUST_TEST_THREADS" | "RUSTC_BOOTSTRAP"
             )
     };
     let out = Command::new("bash")
@@ -83,9 +155,48 @@ fn installed_pipeline(venv: &Path, dir: &Path, args: &[&str]) -> Output {
         .expect("run the installed pipeline")
 }
 
+/// Regression: `scripts/wheel.sh` (maturin over the shared target directory) removes
+/// `target/release/pipeline` for ~2.5 s, and a test that ran that path beside the wheel test
+/// failed with `NotFound` by chance. Every test runs a private copy ([`pipeline_bin`]); this
+/// runs it throughout a real wheel build, and checks that no test runs cargo's path.
+#[test]
+fn the_wheel_build_never_takes_the_binary_away_from_a_running_test() {
+    let build = wheel_build();
+    assert!(
+        build.failures.is_empty(),
+        "{} of {} runs of the binary under test failed during the wheel build: {:?}",
+        build.failures.len(),
+        build.runs,
+        build.failures
+    );
+    assert!(build.runs >= 3, "only {} runs during the build", build.runs);
+    eprintln!(
+        "the binary under test ran {} times during the wheel build, none failed; cargo's \
+         target/release/pipeline was missing at {} of those runs",
+        build.runs, build.missing
+    );
+
+    // No test runs cargo's path: only tests/it/common.rs names it, to copy it.
+    let needle = concat!("CARGO_BIN_", "EXE_pipeline");
+    let dir = repo().join("tests/it");
+    for entry in std::fs::read_dir(&dir).expect("tests/it").flatten() {
+        let path = entry.path();
+        if path.file_name() == Some(OsStr::new("common.rs")) {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            !text.contains(needle),
+            "{} names {needle}: run crate::common::pipeline_bin() instead, a copy no build \
+             step can remove",
+            path.display()
+        );
+    }
+}
+
 #[test]
 fn the_wheel_installs_a_pipeline_that_finds_its_venvs_torch_and_refuses_another() {
-    let wheel = build_wheel();
+    let wheel = wheel_build().wheel.clone();
     let contents = python("wheel_contents.py", &[wheel.to_str().expect("utf-8 path")]);
     let name = wheel
         .file_name()
