@@ -122,6 +122,29 @@ enum Command {
     },
 }
 
+/// `println!` to stdout, but a reader that went away (`pipeline runs FILE | head`) ends the
+/// program quietly with exit 0, as ripgrep does, instead of `println!`'s panic on EPIPE.
+macro_rules! outln {
+    ($($arg:tt)*) => { emit(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` with the same care.
+macro_rules! out {
+    ($($arg:tt)*) => { emit(format_args!($($arg)*)) };
+}
+
+fn emit(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(text).and_then(|()| stdout.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: writing to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
 fn main() -> ExitCode {
     keep_freed_memory();
     let cli = match Cli::try_parse() {
@@ -197,15 +220,15 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             let reports = runtime.block_on(pipeline.run(&options))?;
             for report in &reports {
                 if json {
-                    println!("{}", serde_json::to_string(report).unwrap_or_default());
+                    outln!("{}", serde_json::to_string(report).unwrap_or_default());
                 } else {
-                    println!("{report}");
+                    outln!("{report}");
                 }
             }
             if !json {
                 let summary = pipeline.summary(&reports);
                 if !summary.is_empty() {
-                    println!("{summary}");
+                    outln!("{summary}");
                 }
             }
             Ok(())
@@ -215,13 +238,13 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             let batches = runtime.block_on(pipeline.sql(&query))?;
             let table = arrow::util::pretty::pretty_format_batches(&batches)
                 .map_err(|e| lakeml::Error::Internal(format!("printing the result: {e}")))?;
-            println!("{table}");
+            outln!("{table}");
             Ok(())
         }
         Command::Validate { file } => {
             let pipeline = Pipeline::load(&file)?;
             runtime.block_on(pipeline.validate())?;
-            println!(
+            outln!(
                 "{}: pipeline `{}` is valid",
                 file.display(),
                 pipeline.name()
@@ -240,9 +263,9 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             let pipeline = Pipeline::load(&file)?;
             for job in runtime.block_on(pipeline.jobs_overview())? {
                 if json {
-                    println!("{}", serde_json::to_string(&job).unwrap_or_default());
+                    outln!("{}", serde_json::to_string(&job).unwrap_or_default());
                 } else {
-                    println!("{job}");
+                    outln!("{job}");
                 }
             }
             Ok(())
@@ -257,10 +280,10 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             let runs = runtime.block_on(pipeline.runs(job.as_deref(), limit))?;
             if json {
                 for run in &runs {
-                    println!("{}", serde_json::to_string(run).unwrap_or_default());
+                    outln!("{}", serde_json::to_string(run).unwrap_or_default());
                 }
             } else {
-                print!("{}", lakeml::format_runs(&runs));
+                out!("{}", lakeml::format_runs(&runs));
             }
             Ok(())
         }
@@ -268,12 +291,12 @@ fn run(cli: Cli) -> lakeml::Result<()> {
             let pipeline = Pipeline::load(&file)?;
             let outcome = runtime.block_on(pipeline.trigger(&job))?;
             if json {
-                println!(
+                outln!(
                     "{}",
                     serde_json::to_string(&outcome.run).unwrap_or_default()
                 );
             } else {
-                print!(
+                out!(
                     "{}",
                     lakeml::format_runs(std::slice::from_ref(&outcome.run))
                 );
@@ -306,15 +329,15 @@ fn run(cli: Cli) -> lakeml::Result<()> {
                         .into(),
                 ));
             }
-            println!("{}", hash_password(password)?);
+            outln!("{}", hash_password(password)?);
             Ok(())
         }
         Command::Info { json } => {
             let info = RuntimeInfo::detect();
             if json {
-                println!("{}", serde_json::to_string(&info).unwrap_or_default());
+                outln!("{}", serde_json::to_string(&info).unwrap_or_default());
             } else {
-                println!("{info}");
+                outln!("{info}");
             }
             Ok(())
         }

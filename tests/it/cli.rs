@@ -1,7 +1,7 @@
 //! CLI error wording and exit codes, under snapshot tests: every mistake in a pipeline file
 //! is reported (exit 2) before any work starts, naming the file and the field or line.
 
-use crate::common::{Scratch, minilm, tokenize_yaml};
+use crate::common::{Scratch, minilm, pipeline_command, tokenize_yaml};
 
 /// Writes `yaml` (with `{MINILM}` filled in) and a small CSV, runs `pipeline run`, returns
 /// "exit N" and stderr.
@@ -132,6 +132,29 @@ fn validate_accepts_a_good_file_without_writing_anything() {
     assert!(out.status.success(), "{}", s.stderr(&out));
     insta::assert_snapshot!(String::from_utf8_lossy(&out.stdout));
     assert!(!s.path().join("lake").exists());
+}
+
+/// Regression: `pipeline runs FILE | head` panicked when `head` had gone (println! on a
+/// closed pipe). The reader here is gone before the command writes: it ends quietly, exit 0.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly_instead_of_panicking() {
+    let s = Scratch::new();
+    s.write("reviews.csv", "id,text,label\n1,great film,fresh\n");
+    s.write(
+        "p.yaml",
+        &format!("{GOOD_TABLES}stages:\n  - write:\n      from: reviews\n      to: out\n"),
+    );
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = pipeline_command()
+        .args(["validate", "p.yaml"])
+        .current_dir(s.path())
+        .stdout(writer)
+        .output()
+        .expect("run pipeline validate");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]
