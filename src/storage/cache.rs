@@ -13,7 +13,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::mirror::{STAMP, Stamp};
+use super::stamp::{STAMP, Stamp};
 use super::{Defaults, Location, Remote, StorageOptions};
 
 /// True when `text` is a URL (`scheme://...`) rather than a path.

@@ -18,50 +18,15 @@ use std::sync::Arc;
 use futures::TryStreamExt;
 use object_store::path::Path as Key;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
-use serde::{Deserialize, Serialize};
 
 use super::cache::{block_on, cache_root, download, short_hash};
+use super::stamp::{STAMP, Stamp};
 use super::{Defaults, Location, Remote, StorageOptions};
-
-/// The stamp of a model directory written by a training run: `writing`, then `complete`
-/// with the size of every file. Readers of the directory check it.
-pub(crate) const STAMP: &str = "_lakeml_model.json";
 
 /// Files up to this size are one PUT; larger ones a multipart upload in parts of this size.
 const PART: usize = 16 << 20;
 
 const MANIFEST: &str = ".lakeml-mirror.json";
-
-/// What [`STAMP`] holds.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct Stamp {
-    /// `writing` or `complete`.
-    pub state: String,
-    /// Every file of the directory and its size, when complete.
-    #[serde(default)]
-    pub files: BTreeMap<String, u64>,
-    /// The process that wrote it (`host:pid`), and when.
-    pub by: String,
-    pub at: String,
-}
-
-impl Stamp {
-    fn new(state: &str, files: BTreeMap<String, u64>) -> Self {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| "localhost".into());
-        Self {
-            state: state.into(),
-            files,
-            by: format!("{host}:{}", std::process::id()),
-            at: chrono::Utc::now().to_rfc3339(),
-        }
-    }
-
-    pub(crate) fn is_complete(&self) -> bool {
-        self.state == "complete"
-    }
-}
 
 /// A run directory given as `train.output`: the local directory the trainer writes, and the
 /// object-store prefix it is mirrored to, if any. A URL is probed before any work.

@@ -12,6 +12,7 @@ mod factory;
 mod mirror;
 mod options;
 mod probe;
+mod stamp;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -21,9 +22,10 @@ use object_store::ObjectStore;
 use url::Url;
 
 pub(crate) use cache::{cache_root, is_url, model_dir};
-pub(crate) use mirror::{Mirror, STAMP, Stamp, run_dir};
+pub(crate) use mirror::{Mirror, run_dir};
 pub(crate) use options::{Defaults, StorageOptions};
 pub(crate) use probe::explain;
+pub(crate) use stamp::{STAMP, Stamp};
 
 /// The object-store services lakeml talks to, each under its own URL schemes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
