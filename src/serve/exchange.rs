@@ -7,21 +7,18 @@
 //! prediction columns `label`, `label_id`, `score`, `probabilities`, or for a model without
 //! a classification head to `embedding`, the sentence vector, which any model can append).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use arrow::array::{ArrayRef, Float32Array, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow_flight::FlightData;
 use arrow_flight::decode::FlightRecordBatchStream;
-use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
-use futures::{StreamExt, TryStreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use serde::Deserialize;
-use tonic::{Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
-use super::auth::Principal;
-use super::flight::Service;
 use super::scorer::Scorer;
 use crate::predict::{float_list, float_rows};
 
@@ -48,13 +45,13 @@ fn invalid(message: String) -> FlightError {
     FlightError::Tonic(Box::new(Status::invalid_argument(message)))
 }
 
+/// The scored batches of one DoExchange call, with the model named by its descriptor. The
+/// Flight service holds the concurrency slot, bounds the stream by the query timeout and
+/// encodes it.
 pub(super) async fn exchange(
-    service: &Service,
-    who: &Principal,
+    scorers: &BTreeMap<String, Arc<Scorer>>,
     mut input: Streaming<FlightData>,
-) -> Result<Response<super::flight::FlightStream>, Status> {
-    let permit = service.slot()?;
-    let started = Instant::now();
+) -> Result<impl Stream<Item = Result<RecordBatch, FlightError>> + Send + 'static, Status> {
     let first = input.message().await?.ok_or_else(|| {
         Status::invalid_argument("DoExchange: the stream is empty; send a descriptor first")
     })?;
@@ -71,9 +68,8 @@ pub(super) async fn exchange(
         ))
     })?;
     let name = command.model.as_deref().unwrap_or("predict");
-    let scorer = service.scorers.get(name).cloned().ok_or_else(|| {
-        let served: Vec<&str> = service
-            .scorers
+    let scorer = scorers.get(name).cloned().ok_or_else(|| {
+        let served: Vec<&str> = scorers
             .keys()
             .map(String::as_str)
             .filter(|n| *n != "predict")
@@ -114,27 +110,12 @@ pub(super) async fn exchange(
         .chain(input)
         .try_filter(|m| futures::future::ready(!m.data_header.is_empty()))
         .map_err(|s| FlightError::Tonic(Box::new(s)));
-    let scored = FlightRecordBatchStream::new_from_flight_data(stream)
+    Ok(FlightRecordBatchStream::new_from_flight_data(stream)
         .map(move |batch| {
             let (scorer, command) = (scorer.clone(), command.clone());
             async move { score(&scorer, &command, batch?).await }
         })
-        .buffered(IN_FLIGHT)
-        .and_then(|b| {
-            let schema = super::flight::wire_schema(&b.schema());
-            futures::future::ready(super::flight::to_wire(&b, &schema))
-        });
-    let limited = super::flight::limited(
-        scored,
-        service.query_timeout,
-        permit,
-        who.name.clone(),
-        started,
-    );
-    let out = FlightDataEncoderBuilder::new()
-        .build(limited)
-        .map_err(Status::from);
-    Ok(Response::new(Box::pin(out)))
+        .buffered(IN_FLIGHT))
 }
 
 /// `batch` with the command's prediction columns appended.

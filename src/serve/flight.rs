@@ -891,7 +891,18 @@ impl FlightSqlService for Service {
         request: Request<Streaming<FlightData>>,
     ) -> Result<Response<<Self as FlightService>::DoExchangeStream>, Status> {
         let who = self.who(&request)?;
-        super::exchange::exchange(self, &who, request.into_inner()).await
+        let permit = self.slot()?;
+        let started = Instant::now();
+        let scored = super::exchange::exchange(&self.scorers, request.into_inner()).await?;
+        let wired = scored.and_then(|b| {
+            let schema = wire_schema(&b.schema());
+            futures::future::ready(to_wire(&b, &schema))
+        });
+        let limited = limited(wired, self.query_timeout, permit, who.name, started);
+        let out = FlightDataEncoderBuilder::new()
+            .build(limited)
+            .map_err(Status::from);
+        Ok(Response::new(Box::pin(out)))
     }
 
     async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}
