@@ -6,6 +6,10 @@ use std::path::{Path, PathBuf};
 use crate::gemm::GemmInfo;
 use crate::{Error, Result};
 
+/// Whether this build has c10d's NCCL backend: build.rs compiles it where libtorch has CUDA
+/// and NCCL's and CUDA's headers are installed (scripts/env.sh installs them).
+pub(crate) const NCCL_BUILT: bool = cfg!(lakeml_nccl);
+
 /// Facts about the linked libtorch and this machine.
 #[derive(Debug, serde::Serialize)]
 pub struct RuntimeInfo {
@@ -40,7 +44,7 @@ impl RuntimeInfo {
             torch_threads: tch::get_num_threads(),
             cuda_available: tch::Cuda::is_available(),
             cuda_devices: tch::Cuda::device_count(),
-            c10d_backends: if crate::train::NCCL_BUILT {
+            c10d_backends: if NCCL_BUILT {
                 "gloo (CPU), nccl (CUDA)"
             } else {
                 "gloo (built without NCCL)"

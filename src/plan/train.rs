@@ -66,7 +66,7 @@ fn distributed(f: &str, d: &DistributedSpec, device: tch::Device) -> Result<Dist
                  CPU (`device`); use `gloo` or `auto`"
             ));
         }
-        (Backend::Nccl, true) if !crate::train::NCCL_BUILT => {
+        (Backend::Nccl, true) if !crate::runtime::NCCL_BUILT => {
             return Err(format!(
                 "{f}.distributed.backend: this lakeml was built without NCCL (its build found \
                  no NCCL or CUDA headers next to libtorch); use `gloo`, or rebuild with \
@@ -74,7 +74,7 @@ fn distributed(f: &str, d: &DistributedSpec, device: tch::Device) -> Result<Dist
             ));
         }
         (Backend::Nccl, true) => true,
-        (Backend::Auto, cuda) => cuda && crate::train::NCCL_BUILT,
+        (Backend::Auto, cuda) => cuda && crate::runtime::NCCL_BUILT,
         (Backend::Gloo, _) => false,
     };
     Ok(Distributed { timeout, nccl })

@@ -53,10 +53,6 @@ unsafe extern "C" {
     ) -> *mut c_char;
 }
 
-/// Whether this build has the NCCL backend: build.rs compiles it where libtorch has CUDA
-/// and NCCL's and CUDA's headers are installed (scripts/env.sh installs them).
-pub(crate) const NCCL_BUILT: bool = cfg!(lakeml_nccl);
-
 /// The shim's error string, owned (and freed on the C side), or `None` for success.
 fn taken(err: *mut c_char) -> std::result::Result<(), String> {
     if err.is_null() {

@@ -20,7 +20,7 @@ use serde::Serialize;
 
 pub(crate) use checkpoint::{RunDir, clear as clear_checkpoints};
 pub(crate) use data::{ID, Limits, dataset};
-pub(crate) use dist::{Group, Launch, NCCL_BUILT};
+pub(crate) use dist::{Group, Launch};
 pub(crate) use trainer::{Job, train};
 
 use crate::config::{Precision, SaveWhich, Schedule};
