@@ -8,6 +8,7 @@ use std::sync::Arc;
 mod checks;
 mod jobs;
 mod predict;
+mod stages;
 mod tables;
 mod train;
 
@@ -15,11 +16,11 @@ use arrow::datatypes::Schema;
 use datafusion::prelude::SessionContext;
 
 use crate::catalog::{self, TableDef, TableKind};
-use crate::config::{PipelineFile, PredictMode, Source, StageKind, WriteMode};
+use crate::config::{PipelineFile, PredictMode, Source, WriteMode};
 use crate::error::{Error, Result};
 pub(crate) use crate::storage::resolve;
 use crate::storage::{Defaults, Provider, StorageOptions};
-use crate::tokenize::{self, Encoder, EncoderSettings, RowPolicy};
+use crate::tokenize::{self, Encoder, RowPolicy};
 pub(crate) use checks::is_string;
 use checks::{check_row_columns, check_tokenize_columns, plan_schema, schema_diff};
 pub(crate) use jobs::{Job, Retries, SchedulerSettings, Timing, human, plan_jobs, plan_scheduler};
@@ -154,13 +155,7 @@ impl Pipeline {
             .unwrap_or_else(|| PathBuf::from("."));
         let err = |m: String| Error::config(&file, m);
 
-        let option_map =
-            |m: crate::config::OptionMap| StorageOptions::new(m.into_iter().map(|(k, v)| (k, v.0)));
-        let storage = Defaults::new([
-            (Provider::S3, option_map(spec.storage.s3)),
-            (Provider::Azure, option_map(spec.storage.azure)),
-            (Provider::Gcs, option_map(spec.storage.gcs)),
-        ]);
+        let storage = storage_defaults(spec.storage);
         storage.check().map_err(err)?;
 
         let mut tables = BTreeMap::new();
@@ -170,159 +165,7 @@ impl Pipeline {
             tables.insert(name, def);
         }
 
-        let mut stages: Vec<Stage> = Vec::new();
-        let mut names = std::collections::HashSet::new();
-        for (i, s) in spec.stages.into_iter().enumerate() {
-            let kind = s.kind().map_err(|m| err(format!("stages[{i}]: {m}")))?;
-            let embed = matches!(kind, StageKind::Embed(_));
-            let stage = match kind {
-                StageKind::Write(w) => {
-                    let field = format!("stages[{i}].write");
-                    let name = w.name.unwrap_or_else(|| format!("write-{}", w.to));
-                    let query = query(&base, &w.source, &field).map_err(err)?;
-                    output_table(&tables, &w.to, &field).map_err(err)?;
-                    Stage::Write(WriteStage {
-                        name,
-                        field,
-                        query,
-                        to: w.to,
-                        mode: w.mode,
-                    })
-                }
-                StageKind::Tokenize(t) => {
-                    let field = format!("stages[{i}].tokenize");
-                    let name = t.name.unwrap_or_else(|| format!("tokenize-{}", t.to));
-                    let query = query(&base, &t.source, &field).map_err(err)?;
-                    output_table(&tables, &t.to, &field).map_err(err)?;
-                    if t.max_length < 2 || t.max_length > 1 << 16 {
-                        return Err(err(format!(
-                            "{field}.max_length: {} is out of range; use 2..=65536",
-                            t.max_length
-                        )));
-                    }
-                    if t.batch_rows == 0 || t.batch_rows > 1 << 20 {
-                        return Err(err(format!(
-                            "{field}.batch_rows: {} is out of range; use 1..=1048576",
-                            t.batch_rows
-                        )));
-                    }
-                    if let Some(labels) = &t.labels {
-                        let mut seen = std::collections::HashSet::new();
-                        if let Some(dup) = labels.iter().find(|l| !seen.insert(l.as_str())) {
-                            return Err(err(format!(
-                                "{field}.labels: `{dup}` is listed twice; list each class once"
-                            )));
-                        }
-                    }
-                    if t.labels.is_some() && t.label.is_none() {
-                        return Err(err(format!(
-                            "{field}.labels: set `label` (the label column) too"
-                        )));
-                    }
-                    let tokenizer = crate::storage::model_dir(&base, &t.tokenizer, &storage)
-                        .map_err(|m| err(format!("{field}.tokenizer: {m}")))?;
-                    let json = if tokenizer.is_dir() {
-                        tokenizer.join("tokenizer.json")
-                    } else {
-                        tokenizer.clone()
-                    };
-                    if !json.is_file() {
-                        return Err(err(format!(
-                            "{field}.tokenizer: `{}` not found; give a tokenizer.json or a model \
-                             directory that holds one",
-                            json.display()
-                        )));
-                    }
-                    let settings = EncoderSettings {
-                        max_length: t.max_length,
-                        truncate: t.on_overlong == crate::config::OnOverlong::Truncate,
-                        truncation: t.truncation,
-                        add_special_tokens: t.add_special_tokens,
-                    };
-                    let encoder = Encoder::from_path(&tokenizer, settings)
-                        .map_err(|e| err(format!("{field}.tokenizer: {e}")))?;
-                    Stage::Tokenize(TokenizeStage {
-                        name,
-                        field,
-                        query,
-                        to: t.to,
-                        tokenizer,
-                        encoder: Arc::new(encoder),
-                        policy: RowPolicy {
-                            id: t.id,
-                            text: t.text,
-                            text_pair: t.text_pair,
-                            label: t.label,
-                            keep: t.keep,
-                            on_overlong: t.on_overlong,
-                            on_null: t.on_null,
-                            on_empty: t.on_empty,
-                            on_invalid_utf8: t.on_invalid_utf8,
-                        },
-                        labels: t.labels,
-                        batch_rows: t.batch_rows,
-                    })
-                }
-                StageKind::Train(t) => Stage::Train(Box::new(
-                    train::train_stage(&base, i, *t, &stages, &storage).map_err(err)?,
-                )),
-                StageKind::Predict(p) | StageKind::Embed(p) => {
-                    let stage = predict::predict_stage(&base, i, *p, &stages, &storage, embed)
-                        .map_err(err)?;
-                    output_table(&tables, &stage.to, &stage.field).map_err(err)?;
-                    Stage::Predict(Box::new(stage))
-                }
-                StageKind::Optimize(o) => {
-                    let field = format!("stages[{i}].optimize");
-                    maintained_table(&tables, &o.table, &field).map_err(err)?;
-                    let mb = o.target_file_mb.unwrap_or(64);
-                    if mb == 0 || mb > 1 << 20 {
-                        return Err(err(format!(
-                            "{field}.target_file_mb: {mb} is out of range; use 1..=1048576"
-                        )));
-                    }
-                    Stage::Optimize(OptimizeStage {
-                        name: o.name.unwrap_or_else(|| format!("optimize-{}", o.table)),
-                        field,
-                        table: o.table,
-                        target_file_bytes: mb << 20,
-                        zorder: o.zorder,
-                    })
-                }
-                StageKind::Vacuum(v) => {
-                    let field = format!("stages[{i}].vacuum");
-                    maintained_table(&tables, &v.table, &field).map_err(err)?;
-                    let retention = match &v.retention {
-                        Some(text) => crate::config::parse_duration(text)
-                            .map_err(|m| err(format!("{field}.retention: {m}")))?,
-                        None => MIN_RETENTION,
-                    };
-                    if retention < MIN_RETENTION && !v.allow_short_retention {
-                        return Err(err(format!(
-                            "{field}.retention: `{}` is less than 7 days, so readers of older \
-                             versions and writers still committing could lose files; set \
-                             `allow_short_retention: true` if no one reads or writes that far \
-                             back",
-                            v.retention.as_deref().unwrap_or_default()
-                        )));
-                    }
-                    Stage::Vacuum(VacuumStage {
-                        name: v.name.unwrap_or_else(|| format!("vacuum-{}", v.table)),
-                        field,
-                        table: v.table,
-                        retention,
-                        enforce_retention: retention >= MIN_RETENTION,
-                    })
-                }
-            };
-            if !names.insert(stage.name().to_string()) {
-                return Err(err(format!(
-                    "stages[{i}]: stage name `{}` is used twice; give each stage its own `name`",
-                    stage.name()
-                )));
-            }
-            stages.push(stage);
-        }
+        let stages = stages::plan_stages(&base, spec.stages, &tables, &storage).map_err(err)?;
         if stages.is_empty() && spec.serve.is_none() && spec.jobs.is_empty() {
             return Err(err(
                 "`stages` is empty; add at least one stage (or a `serve` section)".into(),
@@ -331,18 +174,7 @@ impl Pipeline {
         let scheduler = plan_scheduler(spec.scheduler, &base, &mut tables, !spec.jobs.is_empty())
             .map_err(err)?;
         let history = scheduler.as_ref().map(|s| s.history.name.as_str());
-        for def in tables.values() {
-            // The scheduler creates its run history on its first run.
-            let written = stages.iter().any(|s| s.to() == Some(def.name.as_str()))
-                || history == Some(def.name.as_str());
-            let missing = def
-                .location
-                .local()
-                .is_some_and(|p| !catalog::has_delta_log(p));
-            if def.is_delta() && !written && missing {
-                return Err(err(missing_table(def)));
-            }
-        }
+        check_tables_exist(&tables, &stages, history).map_err(err)?;
         let jobs = plan_jobs(spec.jobs, &stages, &tables).map_err(err)?;
         Ok(Self {
             file,
@@ -570,6 +402,39 @@ pub(super) fn query(base: &Path, s: &Source, field: &str) -> Result<Query, Strin
             "{field}: give exactly one of `from` (a table), `sql` or `sql_file`"
         )),
     }
+}
+
+/// `storage:` as defaults for each provider's URLs.
+fn storage_defaults(spec: crate::config::StorageSpec) -> Defaults {
+    let options =
+        |m: crate::config::OptionMap| StorageOptions::new(m.into_iter().map(|(k, v)| (k, v.0)));
+    Defaults::new([
+        (Provider::S3, options(spec.s3)),
+        (Provider::Azure, options(spec.azure)),
+        (Provider::Gcs, options(spec.gcs)),
+    ])
+}
+
+/// Every declared local Delta table exists, or a stage (or the scheduler, whose run history
+/// is `history`) writes it.
+fn check_tables_exist(
+    tables: &BTreeMap<String, TableDef>,
+    stages: &[Stage],
+    history: Option<&str>,
+) -> std::result::Result<(), String> {
+    for def in tables.values() {
+        // The scheduler creates its run history on its first run.
+        let written = stages.iter().any(|s| s.to() == Some(def.name.as_str()))
+            || history == Some(def.name.as_str());
+        let missing = def
+            .location
+            .local()
+            .is_some_and(|p| !catalog::has_delta_log(p));
+        if def.is_delta() && !written && missing {
+            return Err(missing_table(def));
+        }
+    }
+    Ok(())
 }
 
 /// A declared Delta table that is not there and that no stage writes.

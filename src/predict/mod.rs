@@ -10,15 +10,14 @@
 mod engine;
 mod output;
 mod pooling;
+mod stream;
 
 use serde::Serialize;
 
 pub(crate) use engine::{Engine, Head};
-pub(crate) use output::{
-    Meta, embeddings_batch, embeddings_schema, float_list, float_rows, output_schema,
-    predictions_batch, softmax,
-};
+pub(crate) use output::{Meta, embeddings_schema, float_list, float_rows, output_schema, softmax};
 pub(crate) use pooling::Pooling;
+pub(crate) use stream::{Predictor, Rows};
 
 use crate::config::Precision;
 

@@ -169,22 +169,7 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         job.device,
     )?;
     let pad_id = model.config.arch.pad_token_id();
-    let kind = match s.precision {
-        Precision::Bf16 => Kind::BFloat16,
-        // The plan refuses int8 for training.
-        Precision::Fp32 | Precision::Int8 => Kind::Float,
-    };
-    let mut opt = AdamW::new(
-        &model.vs,
-        AdamWConfig {
-            beta1: s.adam_beta1,
-            beta2: s.adam_beta2,
-            eps: s.adam_eps,
-            weight_decay: s.weight_decay,
-        },
-        kind,
-    )?;
-
+    let mut opt = optimizer(&model, s)?;
     let (rank, world) = job.rank_world();
     let order = Order {
         batch_size: s.batch_size,
@@ -193,7 +178,75 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         rank,
         world,
     };
-    let micro_per_epoch = loader::batches_per_epoch(train.len(), &order);
+    let (total_steps, warmup) = schedule(train.len(), s, &order)?;
+    let (mut state, resumed_from) = resume(&job, &mut opt, world, total_steps)?;
+    let mut tracker = open_tracker(&job, &mut state)?;
+    if resumed_from.is_none() {
+        tracker.params(&params(&job, &model, &opt, train.len(), world))?;
+    }
+    // Ranks reduce only the word-embedding rows their batches looked up.
+    let looked_up = job
+        .group
+        .as_ref()
+        .and_then(|_| opt.looked_up(WORD_EMBEDDINGS));
+    let result = Loop {
+        job: &job,
+        model: &mut model,
+        opt: &mut opt,
+        tracker: &mut tracker,
+        state: &mut state,
+        plan: Plan {
+            order,
+            classes,
+            pad_id,
+            total_steps,
+            warmup,
+        },
+        bar: bar(job.progress && job.writes(), total_steps),
+        window: Window::new(job.device),
+        stopped: false,
+        looked_up,
+    }
+    .run(&train);
+    let stopped_early = match result {
+        Ok(stopped) => stopped,
+        Err(e) => {
+            let _ = tracker.finish(false);
+            return Err(e);
+        }
+    };
+    let (metrics, model_dir) = finish(&job, &model, &mut opt, &mut tracker, &state, pad_id)?;
+    Ok(Outcome {
+        metrics: outcome_metrics(metrics, &state, world, resumed_from, s),
+        model_dir,
+        resumed_from,
+        stopped_early,
+        mlflow_run_id: state.mlflow_run_id.clone(),
+    })
+}
+
+/// AdamW over the model's weights, its moments in the training precision.
+fn optimizer(model: &Model, s: &TrainSettings) -> Result<AdamW> {
+    let kind = match s.precision {
+        Precision::Bf16 => Kind::BFloat16,
+        // The plan refuses int8 for training.
+        Precision::Fp32 | Precision::Int8 => Kind::Float,
+    };
+    AdamW::new(
+        &model.vs,
+        AdamWConfig {
+            beta1: s.adam_beta1,
+            beta2: s.adam_beta2,
+            eps: s.adam_eps,
+            weight_decay: s.weight_decay,
+        },
+        kind,
+    )
+}
+
+/// The run's optimizer steps in all, and how many of them warm the learning rate up.
+fn schedule(rows: usize, s: &TrainSettings, order: &Order) -> Result<(u64, u64)> {
+    let micro_per_epoch = loader::batches_per_epoch(rows, order);
     if micro_per_epoch == 0 {
         return Err(Error::Data(
             "the training split is empty, so there is nothing to train on".into(),
@@ -204,8 +257,17 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     let warmup = s
         .warmup_steps
         .unwrap_or_else(|| (s.warmup_ratio.unwrap_or(0.0) * total_steps as f64).ceil() as u64);
+    Ok((total_steps, warmup))
+}
 
-    // Resume from the latest checkpoint of this very configuration, if a run was cut short.
+/// The loop's state: the latest checkpoint of this very configuration, if a run was cut
+/// short (rank 0's, on every rank), else a fresh start; and the step it resumes from.
+fn resume(
+    job: &Job,
+    opt: &mut AdamW,
+    world: usize,
+    total_steps: u64,
+) -> Result<(LoopState, Option<u64>)> {
     let mut state = LoopState {
         fingerprint: job.fingerprint.clone(),
         world,
@@ -242,7 +304,12 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         state.batches_done = state.batches_done * state.world / world;
         state.world = world;
     }
-    let mut tracker = if job.writes() {
+    Ok((state, resumed_from))
+}
+
+/// Rank 0's tracker (the resumed run's MLflow run, if any); silent on the other ranks.
+fn open_tracker(job: &Job, state: &mut LoopState) -> Result<Tracker> {
+    let tracker = if job.writes() {
         Tracker::open(
             &job.output.path,
             job.mlflow.clone(),
@@ -252,57 +319,45 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
         Tracker::silent()
     };
     state.mlflow_run_id = tracker.mlflow_run_id().map(str::to_string);
-    if resumed_from.is_none() {
-        let mut params: Vec<(String, String)> = serde_json::to_value(s)
-            .ok()
-            .and_then(|v| v.as_object().cloned())
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, v)| (k, v.to_string().trim_matches('"').to_string()))
-            .collect();
-        params.push(("model".into(), job.model_dir.display().to_string()));
-        params.push(("model_type".into(), model.config.arch.prefix().into()));
-        params.push(("train_rows".into(), train.len().to_string()));
-        params.push(("world".into(), world.to_string()));
-        params.push(("parameters".into(), opt.numel().to_string()));
-        params.push(("new_weights".into(), model.fresh.join(",")));
-        params.push(("labels".into(), job.data.labels.join(",")));
-        tracker.params(&params)?;
-    }
+    Ok(tracker)
+}
 
-    // Ranks reduce only the word-embedding rows their batches looked up.
-    let looked_up = job
-        .group
-        .as_ref()
-        .and_then(|_| opt.looked_up(WORD_EMBEDDINGS));
-    let result = Loop {
-        job: &job,
-        model: &mut model,
-        opt: &mut opt,
-        tracker: &mut tracker,
-        state: &mut state,
-        plan: Plan {
-            order,
-            classes,
-            pad_id,
-            total_steps,
-            warmup,
-        },
-        bar: bar(job.progress && job.writes(), total_steps),
-        window: Window::new(job.device),
-        stopped: false,
-        looked_up,
-    }
-    .run(&train);
-    let stopped_early = match result {
-        Ok(stopped) => stopped,
-        Err(e) => {
-            let _ = tracker.finish(false);
-            return Err(e);
-        }
-    };
+/// The run's parameters as the tracker records them: the settings, the model and the data.
+fn params(
+    job: &Job,
+    model: &Model,
+    opt: &AdamW,
+    train_rows: usize,
+    world: usize,
+) -> Vec<(String, String)> {
+    let mut params: Vec<(String, String)> = serde_json::to_value(&job.settings)
+        .ok()
+        .and_then(|v| v.as_object().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string().trim_matches('"').to_string()))
+        .collect();
+    params.push(("model".into(), job.model_dir.display().to_string()));
+    params.push(("model_type".into(), model.config.arch.prefix().into()));
+    params.push(("train_rows".into(), train_rows.to_string()));
+    params.push(("world".into(), world.to_string()));
+    params.push(("parameters".into(), opt.numel().to_string()));
+    params.push(("new_weights".into(), model.fresh.join(",")));
+    params.push(("labels".into(), job.data.labels.join(",")));
+    params
+}
 
-    // The saved model: the best weights by `best_metric`, or the final ones.
+/// After the loop: the weights to keep (the best by `best_metric`, or the final ones), their
+/// test metrics, and the saved model directory.
+fn finish(
+    job: &Job,
+    model: &Model,
+    opt: &mut AdamW,
+    tracker: &mut Tracker,
+    state: &LoopState,
+    pad_id: i64,
+) -> Result<(Metrics, PathBuf)> {
+    let s = &job.settings;
     if s.save == SaveWhich::Best {
         if job.writes()
             && let Some(best) = checkpoint::best(&job.output, &job.fingerprint)?
@@ -313,16 +368,23 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
             opt.sync(|t| g.broadcast(t, "the best weights"))?;
         }
     }
-    let mut outcome_metrics = Metrics::new();
-    let eval_bs = s.eval_batch_size;
+    let mut metrics = Metrics::new();
     if !job.data.test.is_empty() {
+        let classes = job.data.labels.len();
         let group = job.group.as_deref();
-        let test = evaluate(&model, &job.data.test, eval_bs, pad_id, classes, group)?;
-        log(&mut tracker, state.global_step, &prefixed("test", &test))?;
-        outcome_metrics.extend(test.into_iter().map(|(k, v)| (format!("test_{k}"), v)));
+        let test = evaluate(
+            model,
+            &job.data.test,
+            s.eval_batch_size,
+            pad_id,
+            classes,
+            group,
+        )?;
+        log(tracker, state.global_step, &prefixed("test", &test))?;
+        metrics.extend(test.into_iter().map(|(k, v)| (format!("test_{k}"), v)));
     }
     let model_dir = if job.writes() {
-        let dir = save_model(&job, &model)?;
+        let dir = save_model(job, model)?;
         tracker.artifacts(&dir, "model")?;
         tracker.finish(true)?;
         checkpoint::push_logs(&job.output)?;
@@ -330,40 +392,44 @@ pub(crate) fn train(mut job: Job) -> Result<Outcome> {
     } else {
         job.output.path.join("model")
     };
+    Ok((metrics, model_dir))
+}
 
+/// The outcome's metrics: `metrics` (the test split's) and the run's speed and steps.
+fn outcome_metrics(
+    mut metrics: Metrics,
+    state: &LoopState,
+    world: usize,
+    resumed_from: Option<u64>,
+    s: &TrainSettings,
+) -> Metrics {
     let secs = state.train_seconds.max(1e-9);
-    outcome_metrics.insert("steps".into(), state.global_step as f64);
-    outcome_metrics.insert("world".into(), world as f64);
+    metrics.insert("steps".into(), state.global_step as f64);
+    metrics.insert("world".into(), world as f64);
     if world > 1 {
         // Per step of this process (a resumed run counts its own steps only).
         let steps = (state.global_step - resumed_from.unwrap_or(0)).max(1);
-        outcome_metrics.insert(
+        metrics.insert(
             "all_reduce_ms_per_step".into(),
             1e3 * state.all_reduce_seconds / steps as f64,
         );
-        outcome_metrics.insert(
+        metrics.insert(
             "all_reduce_mb_per_step".into(),
             state.all_reduce_bytes / 1e6 / steps as f64,
         );
     }
-    outcome_metrics.insert("train_seconds".into(), state.train_seconds);
-    outcome_metrics.insert("samples_per_second".into(), state.samples as f64 / secs);
-    outcome_metrics.insert("tokens_per_second".into(), state.tokens as f64 / secs);
-    outcome_metrics.insert(
+    metrics.insert("train_seconds".into(), state.train_seconds);
+    metrics.insert("samples_per_second".into(), state.samples as f64 / secs);
+    metrics.insert("tokens_per_second".into(), state.tokens as f64 / secs);
+    metrics.insert(
         "padding_ratio".into(),
         1.0 - state.tokens as f64 / (state.slots.max(1)) as f64,
     );
     if let Some((best, step)) = state.best {
-        outcome_metrics.insert(format!("best_eval_{}", s.best_metric), best);
-        outcome_metrics.insert("best_step".into(), step as f64);
+        metrics.insert(format!("best_eval_{}", s.best_metric), best);
+        metrics.insert("best_step".into(), step as f64);
     }
-    Ok(Outcome {
-        metrics: outcome_metrics,
-        model_dir,
-        resumed_from,
-        stopped_early,
-        mlflow_run_id: state.mlflow_run_id.clone(),
-    })
+    metrics
 }
 
 /// What stays fixed for the whole loop.
