@@ -5,9 +5,10 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use datafusion::datasource::MemTable;
 use datafusion::datasource::file_format::file_compression_type::FileCompressionType;
+use datafusion::datasource::{MemTable, source_as_provider};
 use datafusion::execution::SessionStateBuilder;
+use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::{
     CsvReadOptions, JsonReadOptions, ParquetReadOptions, SessionConfig, SessionContext,
 };
@@ -154,7 +155,7 @@ impl TableDef {
                 let opts = ParquetReadOptions::default().file_extension(&extension);
                 match remote {
                     None => ctx.register_parquet(self.name.as_str(), &path, opts).await,
-                    Some(urls) => view(ctx, &self.name, ctx.read_parquet(urls, opts).await),
+                    Some(urls) => listing(ctx, &self.name, ctx.read_parquet(urls, opts).await),
                 }
                 .map_err(engine)?;
                 Ok(file_identity(&files))
@@ -178,7 +179,7 @@ impl TableDef {
                     .file_compression_type(compression_type(*compression));
                 match remote {
                     None => ctx.register_csv(self.name.as_str(), &path, opts).await,
-                    Some(urls) => view(ctx, &self.name, ctx.read_csv(urls, opts).await),
+                    Some(urls) => listing(ctx, &self.name, ctx.read_csv(urls, opts).await),
                 }
                 .map_err(engine)?;
                 Ok(file_identity(&files))
@@ -189,7 +190,7 @@ impl TableDef {
                     .file_compression_type(compression_type(*compression));
                 match remote {
                     None => ctx.register_json(self.name.as_str(), &path, opts).await,
-                    Some(urls) => view(ctx, &self.name, ctx.read_json(urls, opts).await),
+                    Some(urls) => listing(ctx, &self.name, ctx.read_json(urls, opts).await),
                 }
                 .map_err(engine)?;
                 Ok(file_identity(&files))
@@ -259,15 +260,30 @@ impl TableDef {
     }
 }
 
-/// Registers a query over a file table's objects under `name`.
-fn view(
+/// Registers the listing table that reads a file table's objects under `name`.
+///
+/// Not as a view of `ctx.read_parquet(urls)`: DataFusion inlines a view's plan into every
+/// query, so a stage's plan would scan DataFusion's unnamed `?table?` instead of `name`, and
+/// the stage's fingerprint could not name the table it reads (issue 36).
+fn listing(
     ctx: &SessionContext,
     name: &str,
     df: datafusion::error::Result<datafusion::prelude::DataFrame>,
 ) -> datafusion::error::Result<()> {
-    let view = df?.into_view();
+    let df = df?;
+    let provider = match df.logical_plan() {
+        LogicalPlan::TableScan(scan) if scan.filters.is_empty() => {
+            source_as_provider(&scan.source)?
+        }
+        other => {
+            return Err(datafusion::error::DataFusionError::Internal(format!(
+                "reading table `{name}` planned {} instead of a table scan",
+                other.display()
+            )));
+        }
+    };
     ctx.deregister_table(name)?;
-    ctx.register_table(name, view).map(|_| ())
+    ctx.register_table(name, provider).map(|_| ())
 }
 
 /// One file of a file table: its name (a path or a URL), size and version (a modification

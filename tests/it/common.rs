@@ -202,6 +202,17 @@ stages:
     )
 }
 
+/// [`ingest_yaml`] with a `split` column for training: every fifth review (by id)
+/// 'validation', the others 'train'.
+pub fn ingest_yaml_with_split() -> String {
+    ingest_yaml().replace(
+        "category AS truth",
+        "category AS truth, \
+         CASE WHEN row_number() OVER (ORDER BY text, movie_name) % 5 = 0 THEN 'validation' \
+         ELSE 'train' END AS split",
+    )
+}
+
 /// A MiniLM classifier directory `name` (labels comma-separated, head drawn with `seed`),
 /// made by transformers (tests/py/make_classifier.py).
 pub fn make_model_with(s: &Scratch, name: &str, labels: &str, seed: u32) {

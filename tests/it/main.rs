@@ -17,6 +17,7 @@ mod serve;
 mod serving;
 mod spark;
 mod storage;
+mod storage_files;
 mod storage_jobs;
 mod tokenize;
 mod train;

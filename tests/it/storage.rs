@@ -14,7 +14,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with, minilm, pipeline_command, repo,
+    INGEST, Scratch, env_path, ingest, ingest_yaml, ingest_yaml_with_split, make_model_with,
+    minilm, pipeline_command, repo,
 };
 use crate::mlflow_server::free_port;
 
@@ -55,6 +56,30 @@ impl Server {
             std::thread::sleep(Duration::from_millis(200));
         }
         server
+    }
+
+    /// moto's S3 server.
+    pub(crate) fn moto() -> Self {
+        Self::start(
+            env_path("LAKEML_MOTO"),
+            &["-H", "127.0.0.1", "-p", "{port}"],
+        )
+    }
+
+    /// Azurite's Blob server, in memory.
+    pub(crate) fn azurite() -> Self {
+        Self::start(
+            env_path("LAKEML_AZURITE"),
+            &[
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                "{port}",
+                "--inMemoryPersistence",
+                "--disableTelemetry",
+                "--skipApiVersionCheck",
+            ],
+        )
     }
 
     pub(crate) fn endpoint(&self) -> String {
@@ -164,7 +189,11 @@ fn predictions(rows: &serde_json::Value) -> Vec<(i64, String, f64)> {
         .collect()
 }
 
-fn assert_same_predictions(remote: &serde_json::Value, local: &serde_json::Value, n: usize) {
+pub(crate) fn assert_same_predictions(
+    remote: &serde_json::Value,
+    local: &serde_json::Value,
+    n: usize,
+) {
     let (remote, local) = (predictions(remote), predictions(local));
     assert_eq!(remote.len(), n);
     assert_eq!(remote.len(), local.len());
@@ -213,10 +242,7 @@ pub(crate) fn s3_storage(endpoint: &str) -> String {
 
 #[test]
 fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
-    let moto = Server::start(
-        env_path("LAKEML_MOTO"),
-        &["-H", "127.0.0.1", "-p", "{port}"],
-    );
+    let moto = Server::moto();
     let (s, local) = local_baseline();
     store_py("s3", &moto, &["mkdir", "lake"]);
     let env = [("S3_SECRET", S3_SECRET)];
@@ -498,25 +524,14 @@ fn find_file(dir: &std::path::Path, name: &str) -> PathBuf {
 
 #[test]
 fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
-    let moto = Server::start(
-        env_path("LAKEML_MOTO"),
-        &["-H", "127.0.0.1", "-p", "{port}"],
-    );
+    let moto = Server::moto();
     store_py("s3", &moto, &["mkdir", "lake"]);
     let env = [("S3_SECRET", S3_SECRET)];
     let storage = s3_storage(&moto.endpoint());
     let settings = "      max_steps: 8\n      eval_every: none\n      checkpoint_every: 2\n      \
                     save: final\n      threads: 1\n";
     let s = Scratch::new();
-    s.write(
-        INGEST,
-        &ingest_yaml().replace(
-            "category AS truth",
-            "category AS truth, \
-        CASE WHEN row_number() OVER (ORDER BY text, movie_name) % 5 = 0 THEN 'validation' \
-        ELSE 'train' END AS split",
-        ),
-    );
+    s.write(INGEST, &ingest_yaml_with_split());
     ingest(&s, 160);
     // The whole chain on local disk, uninterrupted: the reference.
     s.write("local.yaml", &train_chain("", "lake/l", "run", settings));
@@ -695,23 +710,20 @@ fn spark_object_store(server: &Server, url: &str, rows: usize) -> serde_json::Va
     serde_json::from_str(last).unwrap_or_else(|e| panic!("no JSON ({e}): {stdout}"))
 }
 
-const AZ_KEY: &str =
+/// Azurite's account with `key` (its well-known key is [`AZ_KEY`]).
+pub(crate) fn azure_storage(endpoint: &str, key: &str) -> String {
+    format!(
+        "storage:\n  azure: {{ account_name: devstoreaccount1, account_key: '{key}', \
+         endpoint: 'http://{endpoint}/devstoreaccount1', allow_http: true }}\n"
+    )
+}
+
+pub(crate) const AZ_KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
 #[test]
 fn azure_tables_and_a_model_read_from_a_container_match_local() {
-    let azurite = Server::start(
-        env_path("LAKEML_AZURITE"),
-        &[
-            "--blobHost",
-            "127.0.0.1",
-            "--blobPort",
-            "{port}",
-            "--inMemoryPersistence",
-            "--disableTelemetry",
-            "--skipApiVersionCheck",
-        ],
-    );
+    let azurite = Server::azurite();
     let (s, local) = local_baseline();
     store_py("azure", &azurite, &["mkdir", "lake"]);
     store_py("azure", &azurite, &["mkdir", "models"]);
@@ -724,13 +736,7 @@ fn azure_tables_and_a_model_read_from_a_container_match_local() {
             "models/cls",
         ],
     );
-    let storage = |key: &str| {
-        format!(
-            "storage:\n  azure: {{ account_name: devstoreaccount1, account_key: '{key}', \
-             endpoint: 'http://{}/devstoreaccount1', allow_http: true }}\n",
-            azurite.endpoint()
-        )
-    };
+    let storage = |key: &str| azure_storage(&azurite.endpoint(), key);
     let yaml = |key: &str| {
         format!(
             "name: az\n{}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{INGEST, Scratch, env_path, ingest, ingest_yaml, make_model_with};
+use crate::common::{INGEST, Scratch, ingest, ingest_yaml, make_model_with};
 use crate::jobs::Scheduler;
 use crate::storage::{S3_SECRET, Server, pipeline, run_json, s3_storage, store_py};
 
@@ -29,10 +29,7 @@ fn scored(moto: &Server) -> Vec<u64> {
 
 #[test]
 fn s3_watches_fire_on_an_append_and_another_host_recovers_an_expired_lease() {
-    let moto = Server::start(
-        env_path("LAKEML_MOTO"),
-        &["-H", "127.0.0.1", "-p", "{port}"],
-    );
+    let moto = Server::moto();
     let s = Scratch::new();
     make_model_with(&s, "model", "rotten,fresh", 0);
     s.write(INGEST, &ingest_yaml());
