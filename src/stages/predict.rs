@@ -297,7 +297,7 @@ async fn rows_to_predict(
                  the model `{}` has labels {}; use `mode: overwrite`, or another table",
                 stage.name,
                 stage.to,
-                stage.model.display(),
+                crate::storage::model_name(&stage.model),
                 json!(p.labels)
             )));
         }
@@ -417,7 +417,7 @@ async fn commit(
         "job": p.job,
         "labels": p.labels,
         "embed": stage.embed,
-        "model": stage.model.display().to_string(),
+        "model": crate::storage::model_name(&stage.model),
         "model_version": p.model_version,
         "run_id": run_id,
         "mode": stage.mode,

@@ -16,8 +16,14 @@ use crate::report::StageReport;
 use crate::storage::Mirror;
 use crate::train::{self, ID, Job, Limits, RunDir};
 
-/// Size and modification time of each file of the model directory that shapes the model.
+/// What identifies the base model in the fingerprint: for a copy of a model in an object
+/// store, its URL and its files' sizes and ETags there, the same on every machine (so a run
+/// killed on one resumes on another); for a local directory, each file's size and
+/// modification time.
 fn model_identity(dir: &Path) -> Value {
+    if let Some(remote) = crate::storage::remote_identity(dir) {
+        return remote;
+    }
     let mut files = serde_json::Map::new();
     if let Ok(entries) = std::fs::read_dir(dir) {
         for entry in entries.flatten() {
@@ -103,6 +109,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
     // Checkpoints are named by this, which leaves out the number of ranks: a run resumes
     // with the same or another N. The finished run's own fingerprint counts them.
     let fingerprint = fingerprint::digest(&identity);
+    let checkpoint_identity = identity.clone();
     let group = run.group.clone();
     let world = group.as_ref().map_or(1, |g| g.world);
     let writes = group.as_ref().is_none_or(|g| g.rank == 0);
@@ -200,6 +207,7 @@ pub(super) async fn run(run: &Run<'_>, stage: &TrainStage) -> Result<StageReport
         settings: stage.settings.clone(),
         data: dataset,
         fingerprint,
+        identity: checkpoint_identity,
         progress: run.options.progress,
         group,
     };

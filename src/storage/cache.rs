@@ -162,6 +162,20 @@ async fn check_stamp(
     Ok(())
 }
 
+/// What identifies a model directory copied from a store, on every machine whatever its
+/// cache: the URL it came from and each file's size and ETag there. `None` for a directory
+/// that is not such a copy.
+pub(crate) fn remote_identity(dir: &Path) -> Option<serde_json::Value> {
+    let manifest = read_manifest(dir)?;
+    Some(serde_json::json!({ "url": manifest.url, "files": manifest.files }))
+}
+
+/// How a model directory is named to people and in run parameters: the URL it was copied
+/// from, or its path.
+pub(crate) fn model_name(dir: &Path) -> String {
+    read_manifest(dir).map_or_else(|| dir.display().to_string(), |m| m.url)
+}
+
 fn read_manifest(dir: &Path) -> Option<Manifest> {
     std::fs::read(dir.join(MANIFEST))
         .ok()

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use object_store::ObjectStore;
 use url::Url;
 
-pub(crate) use cache::{cache_root, is_url, model_dir};
+pub(crate) use cache::{cache_root, is_url, model_dir, model_name, remote_identity};
 pub(crate) use mirror::{Mirror, run_dir};
 pub(crate) use options::{Defaults, StorageOptions};
 pub(crate) use probe::explain;

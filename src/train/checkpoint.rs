@@ -55,6 +55,10 @@ pub(crate) struct LoopState {
     pub stop_best: Option<f64>,
     pub stale_evals: u32,
     pub mlflow_run_id: Option<String>,
+    /// What the fingerprint was made of (inputs, model, settings), so that a run that
+    /// cannot resume this checkpoint can say what changed. Absent in older checkpoints.
+    #[serde(default)]
+    pub identity: Option<serde_json::Value>,
     /// Seconds spent averaging gradients across ranks since this process started (not
     /// saved: a benchmark's figure, not the run's).
     #[serde(skip)]
@@ -210,14 +214,18 @@ pub(crate) struct Restored {
     pub tensors: Vec<(String, Tensor)>,
 }
 
-fn read(path: &Path) -> Result<Restored> {
+fn read_state(path: &Path) -> Result<LoopState> {
     let text = std::fs::read_to_string(path.join(MARKER)).map_err(io(path))?;
-    let state: LoopState = serde_json::from_str(&text).map_err(|e| {
+    serde_json::from_str(&text).map_err(|e| {
         Error::Model(format!(
             "checkpoint {} has a bad state.json: {e}; delete it to start over",
             path.display()
         ))
-    })?;
+    })
+}
+
+fn read(path: &Path) -> Result<Restored> {
+    let state = read_state(path)?;
     let tensors = Tensor::read_safetensors(path.join("state.safetensors")).map_err(|e| {
         Error::Model(format!(
             "checkpoint {} is unreadable: {e}; delete it to start over",
@@ -236,6 +244,19 @@ pub(crate) fn latest(run: &RunDir, fingerprint: &str) -> Result<Option<Restored>
         }
     }
     Ok(None)
+}
+
+/// The newest step checkpoint of any configuration: its directory's name and its state
+/// (not its tensors).
+pub(crate) fn newest_state(run: &RunDir) -> Result<Option<(String, LoopState)>> {
+    let Some(path) = list(&dir(&run.path))?.pop() else {
+        return Ok(None);
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(Some((name, read_state(&path)?)))
 }
 
 /// The best weights saved by this configuration, if any.

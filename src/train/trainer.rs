@@ -41,6 +41,8 @@ pub(crate) struct Job {
     /// Names checkpoints: a checkpoint with another fingerprint is never resumed. It leaves
     /// out the number of ranks, so a run resumes with the same or another N.
     pub fingerprint: String,
+    /// What the fingerprint is made of, kept in each checkpoint.
+    pub identity: serde_json::Value,
     pub progress: bool,
     /// The process group of a data-parallel run; `None` trains alone.
     pub group: Option<Arc<Group>>,
@@ -270,6 +272,7 @@ fn resume(
 ) -> Result<(LoopState, Option<u64>)> {
     let mut state = LoopState {
         fingerprint: job.fingerprint.clone(),
+        identity: Some(job.identity.clone()),
         world,
         ..LoopState::default()
     };
@@ -285,7 +288,12 @@ fn resume(
                 state = restored.state;
                 resumed_from = Some(state.global_step);
             }
-            _ => checkpoint::clear(&job.output)?,
+            _ => {
+                if let Some((name, other)) = checkpoint::newest_state(&job.output)? {
+                    eprintln!("{}", not_resumed(job, &name, &other, world));
+                }
+                checkpoint::clear(&job.output)?;
+            }
         }
     }
     if let Some(g) = &job.group {
@@ -305,6 +313,58 @@ fn resume(
         state.world = world;
     }
     Ok((state, resumed_from))
+}
+
+/// One line on why the checkpoint `name` (state `other`) is not resumed: a finished run of
+/// another number of ranks, or a run of other inputs, naming what changed.
+fn not_resumed(job: &Job, name: &str, other: &LoopState, world: usize) -> String {
+    let place = job.output.mirror.as_ref().map_or_else(
+        || checkpoint::dir(&job.output.path).display().to_string(),
+        |m| m.url_of("checkpoints"),
+    );
+    if other.fingerprint == job.fingerprint {
+        return format!(
+            "train: checkpoint {name} in {place} ends a finished run of {} ranks; this run of \
+             {world} starts over from step 0 and removes it",
+            other.world
+        );
+    }
+    let changed = match &other.identity {
+        Some(before) => changed_keys(before, &job.identity).join(", "),
+        None => "unknown: it was written by an older lakeml".into(),
+    };
+    format!(
+        "train: checkpoint {name} in {place} (step {}) was written for other inputs (changed: \
+         {changed}); this run starts from step 0 and removes it",
+        other.global_step
+    )
+}
+
+/// The keys whose values differ between two identities, as `key` or `key.sub` one level
+/// into objects (`settings.lr`).
+fn changed_keys(before: &serde_json::Value, now: &serde_json::Value) -> Vec<String> {
+    let (Some(before), Some(now)) = (before.as_object(), now.as_object()) else {
+        return vec!["everything".into()];
+    };
+    let keys: std::collections::BTreeSet<&String> = before.keys().chain(now.keys()).collect();
+    let mut changed = Vec::new();
+    for key in keys {
+        match (before.get(key), now.get(key)) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(serde_json::Value::Object(a)), Some(serde_json::Value::Object(b)))
+                if key != "model" && key != "inputs" =>
+            {
+                let subs: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+                changed.extend(
+                    subs.into_iter()
+                        .filter(|k| a.get(*k) != b.get(*k))
+                        .map(|k| format!("{key}.{k}")),
+                );
+            }
+            _ => changed.push(key.clone()),
+        }
+    }
+    changed
 }
 
 /// Rank 0's tracker (the resumed run's MLflow run, if any); silent on the other ranks.
@@ -337,7 +397,7 @@ fn params(
         .into_iter()
         .map(|(k, v)| (k, v.to_string().trim_matches('"').to_string()))
         .collect();
-    params.push(("model".into(), job.model_dir.display().to_string()));
+    params.push(("model".into(), crate::storage::model_name(&job.model_dir)));
     params.push(("model_type".into(), model.config.arch.prefix().into()));
     params.push(("train_rows".into(), train_rows.to_string()));
     params.push(("world".into(), world.to_string()));
@@ -826,4 +886,29 @@ fn save_model(job: &Job, model: &Model) -> Result<PathBuf> {
             .map_err(|e| Error::Model(format!("publishing the model: {e}")))?;
     }
     Ok(dest)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn changed_keys_name_settings_one_level_down_and_the_model_whole() {
+        let before = json!({
+            "model": { "url": "s3://lake/minilm/", "files": { "config.json": [612, "e1"] } },
+            "settings": { "lr": 1e-4, "seed": 1 },
+            "sql": "SELECT * FROM t",
+        });
+        let now = json!({
+            "model": { "url": "s3://lake/minilm/", "files": { "config.json": [612, "e2"] } },
+            "settings": { "lr": 2e-4, "seed": 1 },
+            "sql": "SELECT * FROM t",
+            "split": "part",
+        });
+        assert_eq!(
+            super::changed_keys(&before, &now),
+            ["model", "settings.lr", "split"]
+        );
+        assert!(super::changed_keys(&now, &now).is_empty());
+    }
 }

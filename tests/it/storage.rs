@@ -489,7 +489,8 @@ fn s3_tables_match_local_commit_once_and_bad_input_is_refused() {
 /// The demo's chain with its training on S3: `reviews` (with splits) → tokenized → train →
 /// predict, `settings` (lines indented by six spaces) for the train stage; `lake` is the
 /// tables' root and `run` the train stage's output.
-fn train_chain(storage: &str, lake: &str, run: &str, settings: &str) -> String {
+/// write → tokenize → train (from the base model at `model`) → predict, into `lake`.
+fn train_chain(storage: &str, lake: &str, run: &str, model: &str, settings: &str) -> String {
     format!(
         "name: chain\n{storage}tables:\n  local_reviews: {{ delta: lake/reviews }}\n  \
          reviews: {{ delta: '{lake}/reviews' }}\n  tokenized: {{ delta: '{lake}/tokenized' }}\n  \
@@ -497,7 +498,7 @@ fn train_chain(storage: &str, lake: &str, run: &str, settings: &str) -> String {
          stages:\n  - write: {{ from: local_reviews, to: reviews }}\n  \
          - tokenize: {{ from: reviews, tokenizer: {minilm}, label: truth, keep: [split], \
          max_length: 64, to: tokenized }}\n  \
-         - train:\n      from: tokenized\n      model: {minilm}\n      output: '{run}'\n      \
+         - train:\n      from: tokenized\n      model: '{model}'\n      output: '{run}'\n      \
          batch_size: 16\n      lr: 1.0e-4\n{settings}  \
          - predict: {{ from: reviews, model: '{run}/model', to: preds }}\n",
         minilm = minilm().display()
@@ -534,17 +535,29 @@ fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
     s.write(INGEST, &ingest_yaml_with_split());
     ingest(&s, 160);
     // The whole chain on local disk, uninterrupted: the reference.
-    s.write("local.yaml", &train_chain("", "lake/l", "run", settings));
+    let minilm = minilm().display().to_string();
+    s.write(
+        "local.yaml",
+        &train_chain("", "lake/l", "run", &minilm, settings),
+    );
     run_json(&s, "local.yaml", &[]);
     let local = crate::common::python(
         "read_delta.py",
         &[s.path().join("lake/l/preds").to_str().expect("utf-8")],
     );
 
-    // Machine A trains on S3 and is killed -9 once its step-2 checkpoint is in the store.
+    // Machine A trains on S3, from the same base model in the store, and is killed -9 once
+    // its step-2 checkpoint is there.
+    store_py("s3", &moto, &["upload", &minilm, "lake/minilm"]);
     s.write(
         "s3.yaml",
-        &train_chain(&storage, "s3://lake", "s3://lake/run", settings),
+        &train_chain(
+            &storage,
+            "s3://lake",
+            "s3://lake/run",
+            "s3://lake/minilm/",
+            settings,
+        ),
     );
     let machine = |name: &str| s.path().join(name);
     let mut child = pipeline_command()
@@ -578,8 +591,9 @@ fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
         "killed before the end, yet a model was stamped"
     );
 
-    // Machine B, with an empty cache, resumes from the store and ends with the weights of the
-    // uninterrupted run, bit for bit; its predictions equal the local ones.
+    // Machine B, with an empty cache (another copy of the base model, other modification
+    // times), resumes from the store's checkpoint, not from step 0, and ends with the weights
+    // of the uninterrupted run, bit for bit; its predictions equal the local ones.
     let b = |file: &str| {
         let out = pipeline_command()
             .args(["run", "--json", "--quiet", file])
@@ -602,6 +616,12 @@ fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
         "{train}"
     );
     assert_eq!(train["table"], "s3://lake/run/model");
+    // The run's parameters name the base model by its URL, not by a machine's cache.
+    let jsonl = std::fs::read_to_string(find_file(&machine("b").join("runs"), "metrics.jsonl"))
+        .expect("metrics.jsonl");
+    let params: serde_json::Value =
+        serde_json::from_str(jsonl.lines().next().unwrap_or_default()).expect("params line");
+    assert_eq!(params["params"]["model"], "s3://lake/minilm/", "{params}");
     let cmp = crate::common::python(
         "compare_weights.py",
         &[

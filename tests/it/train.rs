@@ -138,6 +138,30 @@ fn trained_model_loads_in_transformers_and_scores_the_test_split_as_lakeml_repor
     // Unchanged inputs and settings: the stage is skipped.
     let again = s.run_ok(&["p.yaml"]);
     assert_eq!(report(&again, "train")["cached"], true, "{again:?}");
+
+    // Other settings: the checkpoints are not resumed, and the run says why in one line
+    // before it starts over.
+    s.write(
+        "p.yaml",
+        &minilm_yaml(
+            320,
+            "      max_steps: 1\n      eval_every: 6\n      checkpoint_every: 4\n      \
+             keep_checkpoints: 2\n      best_metric: accuracy\n",
+        ),
+    );
+    let out = s.pipeline(&["run", "-q", "p.yaml"]);
+    let stderr = s.stderr(&out);
+    assert!(out.status.success(), "{stderr}");
+    let said: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("checkpoint step-00000012"))
+        .collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(
+        said[0].contains("(step 12) was written for other inputs (changed: settings.max_steps)")
+            && said[0].contains("starts from step 0"),
+        "{stderr}"
+    );
 }
 
 /// Waits until `path` exists, for at most `limit`.
