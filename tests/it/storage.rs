@@ -616,11 +616,15 @@ fn training_to_s3_resumes_on_another_machine_and_publishes_a_stamped_model() {
         "{train}"
     );
     assert_eq!(train["table"], "s3://lake/run/model");
-    // The run's parameters name the base model by its URL, not by a machine's cache.
-    let jsonl = std::fs::read_to_string(find_file(&machine("b").join("runs"), "metrics.jsonl"))
+    // The run's parameters (logged by machine A, which started it) name the base model by
+    // its URL, not by a machine's cache.
+    let jsonl = std::fs::read_to_string(find_file(&machine("a").join("runs"), "metrics.jsonl"))
         .expect("metrics.jsonl");
-    let params: serde_json::Value =
-        serde_json::from_str(jsonl.lines().next().unwrap_or_default()).expect("params line");
+    let params: serde_json::Value = jsonl
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l.get("params").is_some())
+        .expect("a params line");
     assert_eq!(params["params"]["model"], "s3://lake/minilm/", "{params}");
     let cmp = crate::common::python(
         "compare_weights.py",

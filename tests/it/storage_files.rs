@@ -40,13 +40,14 @@ fn files_yaml(storage: &str, root: &str, out: &str, chain: bool) -> String {
         tables += &format!("  w_{name}: {{ delta: '{out}/{name}' }}\n");
         stages += &format!("  - write: {{ from: {name}, to: w_{name} }}\n");
     }
-    tables += &format!("  tok: {{ delta: '{out}/tok' }}\n  preds: {{ delta: '{out}/preds' }}\n");
+    tables += &format!("  tok: {{ delta: '{out}/tok' }}\n");
     let minilm = minilm().display().to_string();
     stages += &format!(
         "  - tokenize: {{ from: pq_dir, tokenizer: {minilm}, label: truth, keep: [split], \
          max_length: 64, to: tok }}\n"
     );
     if chain {
+        tables += &format!("  preds: {{ delta: '{out}/preds' }}\n");
         stages += &format!(
             "  - train: {{ from: tok, model: {minilm}, output: '{out}-run', max_steps: 4, \
              batch_size: 16, eval_every: none, save: final, threads: 1 }}\n  \
