@@ -15,16 +15,12 @@ fn run_bad(yaml: &str) -> String {
         "p.yaml",
         &yaml.replace("{MINILM}", &minilm().display().to_string()),
     );
-    let out = s.pipeline(&["run", "p.yaml"]);
+    let (code, err) = s.failing(&["run", "p.yaml"]).outcome();
     assert!(
         !s.path().join("lake").exists(),
         "a pipeline that failed validation wrote something"
     );
-    format!(
-        "exit {}\n{}",
-        out.status.code().unwrap_or(-1),
-        s.stderr(&out)
-    )
+    format!("exit {code}\n{err}")
 }
 
 const GOOD_TABLES: &str =

@@ -154,6 +154,95 @@ impl Scratch {
     }
 }
 
+/// A `pipeline` command in a scratch directory that must fail, as a builder:
+/// `s.failing(&["run", "-q", "p.yaml"]).env("K", "v").exit(2)` runs it and returns its
+/// stderr, paths replaced as in snapshots. A command still running after `within` (60 s
+/// unless set) is killed, and the test fails: it did not refuse.
+#[must_use]
+pub struct Failing<'a> {
+    scratch: &'a Scratch,
+    args: Vec<String>,
+    env: Vec<(String, std::ffi::OsString)>,
+    within: Duration,
+}
+
+impl Scratch {
+    /// `pipeline ARGS` here, expected to fail (see [`Failing`]).
+    pub fn failing(&self, args: &[&str]) -> Failing<'_> {
+        Failing {
+            scratch: self,
+            args: args.iter().map(|a| a.to_string()).collect(),
+            env: Vec::new(),
+            within: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Failing<'_> {
+    pub fn env(mut self, key: &str, value: impl AsRef<std::ffi::OsStr>) -> Self {
+        self.env
+            .push((key.to_string(), value.as_ref().to_os_string()));
+        self
+    }
+
+    pub fn envs(self, pairs: &[(&str, &str)]) -> Self {
+        pairs.iter().fold(self, |f, (k, v)| f.env(k, v))
+    }
+
+    /// Runs it; returns its exit code (-1 for a signal) and stderr.
+    pub fn outcome(self) -> (i32, String) {
+        let s = self.scratch;
+        // Files, not pipes: a command that writes much cannot block while it is watched.
+        let (stdout, stderr) = (
+            s.path().join(".failing.stdout"),
+            s.path().join(".failing.stderr"),
+        );
+        let mut child = pipeline_command()
+            .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(s.path())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::fs::File::create(&stdout).expect("stdout file"))
+            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+            .spawn()
+            .expect("spawn pipeline");
+        let deadline = Instant::now() + self.within;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let out = Output {
+            status: status.unwrap_or_default(),
+            stdout: std::fs::read(&stdout).unwrap_or_default(),
+            stderr: std::fs::read(&stderr).unwrap_or_default(),
+        };
+        let err = s.stderr(&out);
+        assert!(
+            status.is_some(),
+            "pipeline {:?} still ran after {:?} instead of failing:\n{}\n{err}",
+            self.args,
+            self.within,
+            String::from_utf8_lossy(&out.stdout)
+        );
+        (out.status.code().unwrap_or(-1), err)
+    }
+
+    /// Runs it; it must exit with `code`; returns stderr.
+    pub fn exit(self, code: i32) -> String {
+        let args = self.args.clone();
+        let (got, err) = self.outcome();
+        assert_eq!(got, code, "pipeline {args:?}: {err}");
+        err
+    }
+}
+
 /// Runs a script from tests/py with the venv's Python; returns its stdout as JSON.
 pub fn python(script: &str, args: &[&str]) -> serde_json::Value {
     let out = Command::new(env_path("LAKEML_PYTHON"))

@@ -293,13 +293,6 @@ fn two_runs_at_once_leave_one_row_per_id() {
     assert_eq!(again[0]["cached"], true);
 }
 
-fn fails(s: &Scratch, file: &str, code: i32) -> String {
-    let out = s.pipeline(&["run", "-q", file]);
-    let err = s.stderr(&out);
-    assert_eq!(out.status.code(), Some(code), "{err}");
-    err
-}
-
 #[test]
 fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
     let s = setup(30, "");
@@ -307,7 +300,7 @@ fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
 
     // A column the query does not have.
     s.write("missing.yaml", &predict_yaml("      text: body\n"));
-    let err = fails(&s, "missing.yaml", 2);
+    let err = s.failing(&["run", "-q", "missing.yaml"]).exit(2);
     assert!(
         err.contains("stages[0].predict.text: column `body` not found")
             && err.contains("id, text, truth"),
@@ -319,7 +312,7 @@ fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
         "nosuch.yaml",
         &predict_yaml("").replace("from: reviews", "sql: SELECT * FROM reviewz"),
     );
-    let err = fails(&s, "nosuch.yaml", 2);
+    let err = s.failing(&["run", "-q", "nosuch.yaml"]).exit(2);
     assert!(
         err.contains("reviewz") && err.contains("not found"),
         "{err}"
@@ -330,7 +323,7 @@ fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
         "labels.yaml",
         &predict_yaml("      labels: [negative, positive]\n"),
     );
-    let err = fails(&s, "labels.yaml", 2);
+    let err = s.failing(&["run", "-q", "labels.yaml"]).exit(2);
     assert!(
         err.contains("the model's labels do not match")
             && err.contains("[rotten, fresh]")
@@ -344,7 +337,7 @@ fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
         "other.yaml",
         &predict_yaml("").replace("model: model", "model: other"),
     );
-    let err = fails(&s, "other.yaml", 1);
+    let err = s.failing(&["run", "-q", "other.yaml"]).exit(1);
     assert!(
         err.contains("holds this job's predictions with labels [\"rotten\",\"fresh\"]")
             && err.contains("mode: overwrite"),
@@ -357,7 +350,7 @@ fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
         "base.yaml",
         &predict_yaml("").replace("model: model", &format!("model: {}", minilm().display())),
     );
-    let err = fails(&s, "base.yaml", 2);
+    let err = s.failing(&["run", "-q", "base.yaml"]).exit(2);
     assert!(err.contains("no id2label"), "{err}");
 
     // A null text, found while predicting: exit 1, the row named, the table unchanged.
@@ -368,7 +361,7 @@ fn bad_input_is_refused_clearly_and_leaves_the_table_unchanged() {
             "sql: SELECT id + 1000 AS id, CASE WHEN id = 7 THEN NULL ELSE text END AS text FROM reviews",
         ),
     );
-    let err = fails(&s, "nulls.yaml", 1);
+    let err = s.failing(&["run", "-q", "nulls.yaml"]).exit(1);
     assert!(err.contains("1007") && err.contains("null"), "{err}");
     assert!(err.contains("table `preds` is unchanged"), "{err}");
     assert_eq!(log_versions(&s, "lake/preds"), 1);

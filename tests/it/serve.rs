@@ -619,36 +619,6 @@ fn sigterm_lets_a_long_query_finish_then_exits_zero() {
     assert!(status.success(), "exit {status} after SIGTERM:\n{stderr}");
 }
 
-/// Runs `pipeline serve FILE`, which must refuse to start; returns its exit code and
-/// stderr (paths as in snapshots). A server that starts anyway is killed after 60 s.
-fn serve_refused(s: &Scratch, file: &str) -> (Option<i32>, String) {
-    let mut child = pipeline_command()
-        .args(["serve", file])
-        .env("LAKEML_TOKEN", TOKEN)
-        .current_dir(s.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn pipeline serve");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().expect("try_wait").is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let running = child.try_wait().expect("try_wait").is_none();
-    if running {
-        let _ = child.kill();
-    }
-    let out = child.wait_with_output().expect("wait");
-    let err = s.stderr(&out);
-    assert!(
-        !running,
-        "pipeline serve {file} started instead of refusing:\n{}\n{err}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    (out.status.code(), err)
-}
-
 #[test]
 fn bad_serve_settings_exit_2_naming_the_field() {
     let s = Scratch::new();
@@ -716,8 +686,11 @@ fn bad_serve_settings_exit_2_naming_the_field() {
     ];
     for (case, serve, words) in cases {
         s.write("bad.yaml", &pipeline(&serve));
-        let (code, err) = serve_refused(&s, "bad.yaml");
-        assert_eq!(code, Some(2), "{case}: {err}");
+        let (code, err) = s
+            .failing(&["serve", "bad.yaml"])
+            .env("LAKEML_TOKEN", TOKEN)
+            .outcome();
+        assert_eq!(code, 2, "{case}: {err}");
         for word in words {
             assert!(err.contains(word), "{case}: `{word}` not named in: {err}");
         }

@@ -21,17 +21,12 @@ fn table(s: &Scratch, name: &str) -> serde_json::Value {
     )
 }
 
-fn failing(s: &Scratch) -> (i32, String) {
-    let out = s.pipeline(&["run", "--quiet", "p.yaml"]);
-    (out.status.code().unwrap_or(-1), s.stderr(&out))
-}
-
 #[test]
 fn null_text_is_an_error_naming_the_row_by_default_and_skipped_when_asked() {
     let s = Scratch::new();
     let rows = "{\"id\": 1, \"text\": \"good\"}\n{\"id\": 2, \"text\": null}\n";
     pipeline(&s, rows, "");
-    let (code, err) = failing(&s);
+    let (code, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     assert_eq!(code, 1);
     assert!(
         err.contains("row id 2: text column `text` is null"),
@@ -70,7 +65,7 @@ fn empty_text_is_kept_as_special_tokens_and_counted_or_skipped_or_an_error() {
     assert_eq!(reports[0]["rows_by_outcome"]["skipped_empty"], 2);
 
     pipeline(&s, rows, "      on_empty: error\n");
-    let (code, err) = failing(&s);
+    let (code, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     assert_eq!(code, 1);
     assert!(err.contains("row id 1: column `text` is empty"), "{err}");
     // The failed run left the table at its last committed version.
@@ -98,7 +93,7 @@ fn overlong_text_is_truncated_skipped_or_an_error() {
     assert_eq!(reports[0]["rows_by_outcome"]["skipped_overlong"], 1);
 
     pipeline(&s, rows, "      max_length: 6\n      on_overlong: error\n");
-    let (code, err) = failing(&s);
+    let (code, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     assert_eq!(code, 1);
     assert!(
         err.contains("row id 7: 12 tokens is more than max_length"),
@@ -133,7 +128,7 @@ fn invalid_utf8_in_binary_text_is_an_error_or_skipped_or_replaced() {
     binary_parquet(&s);
     let yaml = |policy: &str| tokenize_yaml("{ parquet: bin.parquet }", policy);
     s.write("p.yaml", &yaml(""));
-    let (code, err) = failing(&s);
+    let (code, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     assert_eq!(code, 1);
     assert!(
         err.contains("row id 2: column `text` is not valid UTF-8 (bad byte at offset 4)"),
@@ -160,7 +155,7 @@ fn invalid_utf8_in_csv_is_an_error_naming_the_table_and_line() {
     )
     .unwrap();
     s.write("p.yaml", &tokenize_yaml("{ csv: bad.csv }", ""));
-    let (code, err) = failing(&s);
+    let (code, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     insta::assert_snapshot!(format!("exit {code}\n{err}"));
     assert!(!s.path().join("lake/out/_delta_log").exists());
 }
@@ -186,7 +181,7 @@ fn string_labels_map_to_sorted_ids_or_to_the_given_order() {
     assert_eq!(t["rows"][0]["label"], 0);
 
     pipeline(&s, rows, "      label: label\n      labels: [fresh]\n");
-    let (code, err) = failing(&s);
+    let (code, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     assert_eq!(code, 1);
     assert!(
         err.contains("row id 1: label `rotten` in column `label` is not one of"),
@@ -196,7 +191,7 @@ fn string_labels_map_to_sorted_ids_or_to_the_given_order() {
     let null_label = "{\"id\": 1, \"text\": \"a\", \"label\": null}\n\
                       {\"id\": 2, \"text\": \"b\", \"label\": \"fresh\"}\n";
     pipeline(&s, null_label, "      label: label\n");
-    let (_, err) = failing(&s);
+    let (_, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     assert!(
         err.contains("row id 1: label column `label` is null"),
         "{err}"
@@ -370,7 +365,7 @@ fn negative_integer_labels_are_an_error_naming_the_row() {
     let rows =
         "{\"id\": 1, \"text\": \"a\", \"label\": 0}\n{\"id\": 2, \"text\": \"b\", \"label\": -1}\n";
     pipeline(&s, rows, "      label: label\n");
-    let (code, err) = failing(&s);
+    let (code, err) = s.failing(&["run", "--quiet", "p.yaml"]).outcome();
     assert_eq!(code, 1);
     assert!(
         err.contains("row id 2: label -1 in column `label` is negative"),

@@ -64,11 +64,6 @@ pub fn report<'a>(reports: &'a [serde_json::Value], kind: &str) -> &'a serde_jso
         .unwrap_or_else(|| panic!("no {kind} report in {reports:?}"))
 }
 
-fn failure(s: &Scratch, file: &str) -> (i32, String) {
-    let out = s.pipeline(&["run", "-q", file]);
-    (out.status.code().unwrap_or(-1), s.stderr(&out))
-}
-
 #[test]
 fn trained_model_loads_in_transformers_and_scores_the_test_split_as_lakeml_reported() {
     let s = Scratch::new();
@@ -238,7 +233,7 @@ fn null_labels_and_a_single_class_are_refused_and_leave_no_model() {
         "      max_steps: 2\n",
     );
     s.write("null.yaml", &null);
-    let (code, err) = failure(&s, "null.yaml");
+    let (code, err) = s.failing(&["run", "-q", "null.yaml"]).outcome();
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("row id 7: `label` is null"), "{err}");
     assert!(!s.path().join("run/model").exists(), "{err}");
@@ -250,7 +245,7 @@ fn null_labels_and_a_single_class_are_refused_and_leave_no_model() {
         "      max_steps: 2\n",
     );
     s.write("one.yaml", &one);
-    let (code, err) = failure(&s, "one.yaml");
+    let (code, err) = s.failing(&["run", "-q", "one.yaml"]).outcome();
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("only one class (fresh)"), "{err}");
     assert!(!s.path().join("run/model").exists(), "{err}");
@@ -288,7 +283,7 @@ fn a_tokenizer_that_does_not_match_the_model_is_refused() {
         "p.yaml",
         &train_yaml(120, "tiny", "      from: tokenized", "      max_steps: 2\n"),
     );
-    let (code, err) = failure(&s, "p.yaml");
+    let (code, err) = s.failing(&["run", "-q", "p.yaml"]).outcome();
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("is outside the model's vocabulary (vocab_size 512)")
@@ -310,7 +305,7 @@ fn a_model_without_tokenizer_and_cuda_without_a_gpu_fail_validation() {
             "",
         ),
     );
-    let (code, err) = failure(&s, "p.yaml");
+    let (code, err) = s.failing(&["run", "-q", "p.yaml"]).outcome();
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("stages[2].train.model") && err.contains("has no tokenizer.json"),
@@ -318,7 +313,7 @@ fn a_model_without_tokenizer_and_cuda_without_a_gpu_fail_validation() {
     );
 
     s.write("cuda.yaml", &minilm_yaml(120, "      device: cuda\n"));
-    let (code, err) = failure(&s, "cuda.yaml");
+    let (code, err) = s.failing(&["run", "-q", "cuda.yaml"]).outcome();
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains(
@@ -360,7 +355,7 @@ fn running_out_of_memory_is_a_clear_error_not_a_crash() {
         "p.yaml",
         &train_yaml(120, "huge", "      from: tokenized", "      max_steps: 2\n"),
     );
-    let (code, err) = failure(&s, "p.yaml");
+    let (code, err) = s.failing(&["run", "-q", "p.yaml"]).outcome();
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("out of memory") && err.contains("lower `batch_size`"),
