@@ -67,14 +67,16 @@ pub fn report<'a>(reports: &'a [serde_json::Value], kind: &str) -> &'a serde_jso
 #[test]
 fn trained_model_loads_in_transformers_and_scores_the_test_split_as_lakeml_reported() {
     let s = Scratch::new();
-    s.write(
-        "p.yaml",
-        &minilm_yaml(
+    let yaml = |max_steps: u32| {
+        minilm_yaml(
             320,
-            "      max_steps: 12\n      eval_every: 6\n      checkpoint_every: 4\n      \
-             keep_checkpoints: 2\n      best_metric: accuracy\n",
-        ),
-    );
+            &format!(
+                "      max_steps: {max_steps}\n      eval_every: 6\n      checkpoint_every: 4\n      \
+                 keep_checkpoints: 2\n      best_metric: accuracy\n"
+            ),
+        )
+    };
+    s.write("p.yaml", &yaml(12));
     let reports = s.run_ok(&["p.yaml"]);
     let train = report(&reports, "train");
     let m = &train["metrics"];
@@ -136,14 +138,7 @@ fn trained_model_loads_in_transformers_and_scores_the_test_split_as_lakeml_repor
 
     // Other settings: the checkpoints are not resumed, and the run says why in one line
     // before it starts over.
-    s.write(
-        "p.yaml",
-        &minilm_yaml(
-            320,
-            "      max_steps: 1\n      eval_every: 6\n      checkpoint_every: 4\n      \
-             keep_checkpoints: 2\n      best_metric: accuracy\n",
-        ),
-    );
+    s.write("p.yaml", &yaml(1));
     let out = s.pipeline(&["run", "-q", "p.yaml"]);
     let stderr = s.stderr(&out);
     assert!(out.status.success(), "{stderr}");
