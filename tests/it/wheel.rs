@@ -66,7 +66,8 @@ fn wheel_build() -> &'static WheelBuild {
     })
 }
 
-/// Until `done`: runs `binary --version` and looks for cargo's binary, every 20 ms.
+/// Until `done`: runs `binary --version` and looks for cargo's binary, again and again, 20 ms
+/// apart.
 fn watch(binary: &Path, done: &AtomicBool) -> (usize, Vec<String>, usize) {
     let (mut runs, mut failures, mut missing) = (0, Vec::new(), 0);
     while !done.load(Ordering::Relaxed) {
