@@ -224,39 +224,45 @@ fn read_state(path: &Path) -> Result<LoopState> {
     })
 }
 
-fn read(path: &Path) -> Result<Restored> {
-    let state = read_state(path)?;
-    let tensors = Tensor::read_safetensors(path.join("state.safetensors")).map_err(|e| {
+fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    Tensor::read_safetensors(path.join("state.safetensors")).map_err(|e| {
         Error::Model(format!(
             "checkpoint {} is unreadable: {e}; delete it to start over",
             path.display()
         ))
-    })?;
-    Ok(Restored { state, tensors })
+    })
 }
 
-/// The latest step checkpoint of this configuration, if any.
-pub(crate) fn latest(run: &RunDir, fingerprint: &str) -> Result<Option<Restored>> {
+/// What a run directory's step checkpoints hold for one configuration.
+pub(crate) enum Found {
+    /// The latest checkpoint of this configuration, read back.
+    Mine(Restored),
+    /// None of this configuration: the newest checkpoint's directory name and state (its
+    /// tensors are not read).
+    Other(String, LoopState),
+    /// No step checkpoint at all.
+    Nothing,
+}
+
+/// The latest step checkpoint of the configuration `fingerprint`, else the newest of
+/// another. Only `state.json` files are read until one matches; only its tensors are loaded.
+pub(crate) fn find(run: &RunDir, fingerprint: &str) -> Result<Found> {
+    let mut newest = None;
     for path in list(&dir(&run.path))?.into_iter().rev() {
-        let restored = read(&path)?;
-        if restored.state.fingerprint == fingerprint {
-            return Ok(Some(restored));
+        let state = read_state(&path)?;
+        if state.fingerprint == fingerprint {
+            let tensors = read_tensors(&path)?;
+            return Ok(Found::Mine(Restored { state, tensors }));
+        }
+        if newest.is_none() {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            newest = Some((name, state));
         }
     }
-    Ok(None)
-}
-
-/// The newest step checkpoint of any configuration: its directory's name and its state
-/// (not its tensors).
-pub(crate) fn newest_state(run: &RunDir) -> Result<Option<(String, LoopState)>> {
-    let Some(path) = list(&dir(&run.path))?.pop() else {
-        return Ok(None);
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    Ok(Some((name, read_state(&path)?)))
+    Ok(newest.map_or(Found::Nothing, |(name, state)| Found::Other(name, state)))
 }
 
 /// The best weights saved by this configuration, if any.
@@ -265,10 +271,12 @@ pub(crate) fn best(run: &RunDir, fingerprint: &str) -> Result<Option<Tensor>> {
     if !path.join(MARKER).is_file() {
         return Ok(None);
     }
-    let restored = read(&path)?;
-    Ok((restored.state.fingerprint == fingerprint)
-        .then(|| restored.tensors.into_iter().find(|(n, _)| n == "weights"))
-        .flatten()
+    if read_state(&path)?.fingerprint != fingerprint {
+        return Ok(None);
+    }
+    Ok(read_tensors(&path)?
+        .into_iter()
+        .find(|(n, _)| n == "weights")
         .map(|(_, t)| t))
 }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use tch::{Kind, Tensor};
 
-use super::checkpoint::{self, LoopState, RunDir};
+use super::checkpoint::{self, Found, LoopState, RunDir};
 use super::data::{Dataset, Split};
 use super::dist::Group;
 use super::loader::{self, Batch, Order, Prefetch};
@@ -279,18 +279,18 @@ fn resume(
     let mut resumed_from = None;
     if job.writes() {
         checkpoint::pull(&job.output)?;
-        match checkpoint::latest(&job.output, &job.fingerprint)? {
+        match checkpoint::find(&job.output, &job.fingerprint)? {
             // A finished run of another number of ranks is not this run's end: start over.
-            Some(restored)
+            Found::Mine(restored)
                 if restored.state.world == world || restored.state.global_step < total_steps =>
             {
                 opt.restore(&restored.tensors, restored.state.global_step)?;
                 state = restored.state;
                 resumed_from = Some(state.global_step);
             }
-            _ => {
-                if let Some((name, other)) = checkpoint::newest_state(&job.output)? {
-                    eprintln!("{}", not_resumed(job, &name, &other, world));
+            found => {
+                if let Some(why) = not_resumed(job, &found, world) {
+                    eprintln!("{why}");
                 }
                 checkpoint::clear(&job.output)?;
             }
@@ -315,29 +315,33 @@ fn resume(
     Ok((state, resumed_from))
 }
 
-/// One line on why the checkpoint `name` (state `other`) is not resumed: a finished run of
-/// another number of ranks, or a run of other inputs, naming what changed.
-fn not_resumed(job: &Job, name: &str, other: &LoopState, world: usize) -> String {
+/// One line on why the checkpoints `found` are not resumed: the end of a finished run of
+/// another number of ranks, or a run of other inputs, naming what changed. `None` when
+/// there are none.
+fn not_resumed(job: &Job, found: &Found, world: usize) -> Option<String> {
     let place = job.output.mirror.as_ref().map_or_else(
         || checkpoint::dir(&job.output.path).display().to_string(),
         |m| m.url_of("checkpoints"),
     );
-    if other.fingerprint == job.fingerprint {
-        return format!(
-            "train: checkpoint {name} in {place} ends a finished run of {} ranks; this run of \
-             {world} starts over from step 0 and removes it",
-            other.world
-        );
+    match found {
+        Found::Nothing => None,
+        Found::Mine(restored) => Some(format!(
+            "train: the checkpoint in {place} (step {}) ends a finished run of {} ranks; this \
+             run of {world} starts over from step 0 and removes it",
+            restored.state.global_step, restored.state.world
+        )),
+        Found::Other(name, other) => {
+            let changed = match &other.identity {
+                Some(before) => changed_keys(before, &job.identity).join(", "),
+                None => "unknown: it was written by an older lakeml".into(),
+            };
+            Some(format!(
+                "train: checkpoint {name} in {place} (step {}) was written for other inputs \
+                 (changed: {changed}); this run starts from step 0 and removes it",
+                other.global_step
+            ))
+        }
     }
-    let changed = match &other.identity {
-        Some(before) => changed_keys(before, &job.identity).join(", "),
-        None => "unknown: it was written by an older lakeml".into(),
-    };
-    format!(
-        "train: checkpoint {name} in {place} (step {}) was written for other inputs (changed: \
-         {changed}); this run starts from step 0 and removes it",
-        other.global_step
-    )
 }
 
 /// The keys whose values differ between two identities, as `key` or `key.sub` one level
